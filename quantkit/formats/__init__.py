@@ -1,0 +1,1 @@
+"""Checkpoint formats: the planned safetensors writer, compressed-tensors layout and config, the manifest."""

@@ -1,0 +1,72 @@
+"""The method interface: what a quantisation method sees of a layer, and what it hands back.
+
+The engine calls, for each decoder layer: `attach` (register statistics hooks for the calibration pass,
+only when `needs_calibration`), then `apply` after the pass. Methods compose (`smoothquant+gptq`): all attach
+in the same pass, apply in order; the last one must quantise every target the earlier ones left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from quantkit.quant import dequantize_weight_args
+from quantkit.quant.schemes import Scheme
+
+
+@dataclass
+class QuantizedWeight:
+    q: torch.Tensor  # int8 [out, in], values in the scheme's signed range
+    scale: torch.Tensor  # fp32 [out, n_groups] (tensor strategy: [1])
+    zero_point: torch.Tensor | None  # int8 [out, n_groups], None when symmetric
+    g_idx: torch.Tensor | None = None  # int32 [in]: group of each input column (act-order "group")
+    method: str = ""
+
+
+@dataclass
+class LayerContext:
+    index: int
+    layer: nn.Module  # fp32 copy of the decoder layer on the compute device
+    targets: dict[str, nn.Linear]  # layer-local name -> linear to quantise
+    scheme: Scheme
+    checkpoint_names: dict[str, str]  # layer-local name -> full checkpoint name
+    weight_dtype: torch.dtype = torch.bfloat16  # dtype of weights and scales in the checkpoint
+    results: dict[str, QuantizedWeight] = field(default_factory=dict)
+    events: list[dict] = field(default_factory=list)  # warnings / fallbacks, written to the manifest
+    linear_errors: dict[str, float] = field(default_factory=dict)  # relative output error per linear
+
+    def warn(self, linear: str, what: str) -> None:
+        self.events.append({"layer": self.index, "module": self.checkpoint_names.get(linear, linear), "event": what})
+
+    def set_quantized(self, name: str, result: QuantizedWeight) -> None:
+        """Record a linear's quantised weight and swap the dequantised values into the module, so the rest
+        of the layer (and the next layers) run with what the checkpoint will contain."""
+        linear = self.targets[name]
+        args = self.scheme.weights
+        scale = result.scale.to(self.weight_dtype).float()
+        deq = dequantize_weight_args(result.q, scale, result.zero_point, args, result.g_idx)
+        # A consumer multiplies in the scale's dtype: round the product the same way.
+        linear.weight.data.copy_(deq.to(self.weight_dtype).to(linear.weight.dtype))
+        self.results[name] = result
+
+    def pending(self) -> list[str]:
+        return [n for n in self.targets if n not in self.results]
+
+
+class Method:
+    name: ClassVar[str] = ""
+    needs_calibration: ClassVar[bool] = False
+    quantizes: ClassVar[bool] = True  # False for pure transforms (smoothing) that must be followed by a quantiser
+
+    def __init__(self, scheme: Scheme, **options):
+        self.scheme = scheme
+        self.options = options
+
+    def attach(self, ctx: LayerContext) -> list[torch.utils.hooks.RemovableHandle]:
+        return []
+
+    def apply(self, ctx: LayerContext) -> None:
+        raise NotImplementedError

@@ -1,0 +1,136 @@
+"""Per-architecture facts, as data: where the decoder layers are, how checkpoint names map to modules,
+MoE expert layout, which linears must never be quantised, and which norm or linear feeds which linears
+(used by AWQ and SmoothQuant to fold scales)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from quantkit.errors import InputError
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Routed experts stored fused in transformers 5 ([E, 2I, H] gate_up, [E, H, I] down) but per expert on disk."""
+
+    module: str  # path of the fused experts module inside a decoder layer
+    gate: str  # per-expert projection names in the checkpoint
+    up: str
+    down: str
+
+
+@dataclass(frozen=True)
+class Smoothing:
+    """`source` (a norm, or a linear whose output feeds the targets) scales the input of `targets`."""
+
+    source: str
+    targets: tuple[str, ...]
+    kind: str = "norm"  # "norm" | "gemma_norm" (weight is 1 + w) | "linear"
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    model_types: tuple[str, ...]
+    layers_path: str = "model.layers"
+    # checkpoint substring -> module substring (inside a layer), e.g. Mixtral's block_sparse_moe -> mlp
+    renames: tuple[tuple[str, str], ...] = ()
+    experts: ExpertLayout | None = None
+    never_quantize: tuple[str, ...] = ()  # regexes on layer-local module names
+    smoothing: tuple[Smoothing, ...] = ()
+    attention: str = "gqa"  # "gqa" | "mla"
+    notes: str = ""
+
+    def to_checkpoint(self, local: str) -> str:
+        """Layer-local module name -> layer-local checkpoint name (renames are prefixes)."""
+        for ckpt, mod in self.renames:
+            if local.startswith(mod):
+                return ckpt + local[len(mod):]
+        return local
+
+    def to_module(self, local: str) -> str:
+        for ckpt, mod in self.renames:
+            if local.startswith(ckpt):
+                return mod + local[len(ckpt):]
+        return local
+
+    def is_protected(self, local_name: str) -> bool:
+        return any(re.fullmatch(p, local_name) for p in self.never_quantize)
+
+
+_ATTN = Smoothing("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+_VO = Smoothing("self_attn.v_proj", ("self_attn.o_proj",), kind="linear")
+_MLP = (
+    Smoothing("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    Smoothing("mlp.up_proj", ("mlp.down_proj",), kind="linear"),
+)
+_DENSE = (_ATTN, _VO, *_MLP)
+_GEMMA = (
+    Smoothing("input_layernorm", _ATTN.targets, kind="gemma_norm"),
+    _VO,
+    Smoothing("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), kind="gemma_norm"),
+    Smoothing("mlp.up_proj", ("mlp.down_proj",), kind="linear"),
+)
+_GEMMA2 = (
+    Smoothing("input_layernorm", _ATTN.targets, kind="gemma_norm"),
+    _VO,
+    Smoothing("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), kind="gemma_norm"),
+    Smoothing("mlp.up_proj", ("mlp.down_proj",), kind="linear"),
+)
+_QWEN_MOE_EXPERTS = ExpertLayout("mlp.experts", "gate_proj", "up_proj", "down_proj")
+_ROUTERS = (r"mlp\.gate", r"mlp\.shared_expert_gate")
+_MOE_ATTN = (_ATTN, _VO)
+_MLA = (
+    Smoothing("input_layernorm", ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
+    Smoothing("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
+    Smoothing("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",)),
+)
+
+ADAPTERS: tuple[Adapter, ...] = (
+    Adapter("llama", ("llama",), smoothing=_DENSE),
+    Adapter("mistral", ("mistral",), smoothing=_DENSE),
+    Adapter("qwen2", ("qwen2",), smoothing=_DENSE),
+    Adapter("qwen3", ("qwen3",), smoothing=_DENSE),
+    Adapter("gemma", ("gemma",), smoothing=_GEMMA),
+    Adapter("gemma2", ("gemma2", "gemma3_text"), smoothing=_GEMMA2),
+    Adapter(
+        "mixtral",
+        ("mixtral",),
+        renames=(("block_sparse_moe.", "mlp."),),
+        experts=ExpertLayout("mlp.experts", "w1", "w3", "w2"),
+        never_quantize=(r"mlp\.gate",),
+        smoothing=_MOE_ATTN,
+    ),
+    Adapter(
+        "qwen2_moe",
+        ("qwen2_moe", "qwen3_moe"),
+        experts=_QWEN_MOE_EXPERTS,
+        never_quantize=_ROUTERS,
+        smoothing=(*_MOE_ATTN, Smoothing("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",), kind="linear")),
+    ),
+    Adapter(
+        "deepseek_v3",
+        ("deepseek_v3",),
+        experts=_QWEN_MOE_EXPERTS,
+        never_quantize=(r"mlp\.gate",),
+        smoothing=_MLA,
+        attention="mla",
+        notes="first_k_dense_replace layers use a dense MLP; routed experts elsewhere",
+    ),
+)
+
+_BY_TYPE = {t: a for a in ADAPTERS for t in a.model_types}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_BY_TYPE)
+
+
+def adapter_for(model_type: str) -> Adapter:
+    adapter = _BY_TYPE.get(model_type)
+    if adapter is None:
+        raise InputError(
+            f"unsupported architecture {model_type!r}; supported: {', '.join(supported_model_types())}"
+        )
+    return adapter

@@ -1,0 +1,186 @@
+"""A lazy model handle: the transformers skeleton on the meta device, with one decoder layer (or one
+top-level module) materialised at a time from memory-mapped safetensors."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.errors import InputError
+from quantkit.models.adapters import Adapter, adapter_for
+from quantkit.models.experts import UnfusedExperts, unfuse_experts
+from quantkit.models.safetensors_index import SafetensorsIndex
+from quantkit.models.source import ResolvedModel
+
+
+def _get(module: nn.Module, path: str) -> nn.Module:
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _set(module: nn.Module, path: str, value: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(_get(module, parent) if parent else module, name, value)
+
+
+@dataclass
+class ModelHandle:
+    source: ResolvedModel
+    config: object
+    adapter: Adapter
+    index: SafetensorsIndex
+    skeleton: nn.Module  # parameters on meta, buffers real (rotary tables etc.)
+    trust_remote_code: bool = False
+    _fused_layouts: dict = field(default_factory=dict)
+
+    @property
+    def path(self) -> Path:
+        return self.source.path
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers())
+
+    def layers(self) -> nn.ModuleList:
+        return _get(self.skeleton, self.adapter.layers_path)
+
+    def layer_prefix(self, i: int) -> str:
+        return f"{self.adapter.layers_path}.{i}."
+
+    def source_dtype(self) -> torch.dtype:
+        """The dtype most floating tensors have on disk (what unquantised outputs are written in)."""
+        counts: dict[torch.dtype, int] = {}
+        for name in self.index.names():
+            dt = self.index.dtype(name)
+            if dt.is_floating_point:
+                counts[dt] = counts.get(dt, 0) + self.index.tensors[name].nbytes
+        return max(counts, key=counts.get) if counts else torch.float32
+
+    def layer_checkpoint_names(self, i: int) -> list[str]:
+        prefix = self.layer_prefix(i)
+        return [n for n in self.index.names() if n.startswith(prefix)]
+
+    def non_layer_checkpoint_names(self) -> list[str]:
+        layer_root = self.adapter.layers_path + "."
+        return [n for n in self.index.names() if not n.startswith(layer_root)]
+
+    def meta_layer(self, i: int) -> nn.Module:
+        """A meta-device copy of decoder layer i with fused MoE experts replaced by per-expert linears."""
+        import copy
+
+        layer = copy.deepcopy(self.layers()[i])
+        layout = self.adapter.experts
+        if layout is not None:
+            try:
+                fused = _get(layer, layout.module)
+            except AttributeError:
+                fused = None  # a dense layer inside a MoE model (DeepSeek's first_k_dense_replace)
+            if fused is not None and hasattr(fused, "gate_up_proj"):
+                _set(layer, layout.module, unfuse_experts(fused, layout))
+        return layer
+
+    def materialize_layer(self, i: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+        """A real copy of decoder layer i (experts unfused), weights read from disk and cast to `dtype`."""
+        meta_layer = self.layers()[i]
+        layer = self.meta_layer(i).to_empty(device=device)
+        prefix = self.layer_prefix(i)
+        state = {}
+        for name, _ in layer.named_parameters():
+            ckpt = prefix + self.adapter.to_checkpoint(self._experts_ckpt_name(name))
+            state[name] = self.index.get(ckpt).to(dtype)
+        missing = [n for n, _ in layer.named_parameters() if n not in state]
+        if missing:
+            raise InputError(f"layer {i}: tensors missing in checkpoint: {missing[:3]}")
+        layer.load_state_dict(state, strict=False, assign=True)
+        # Buffers (if any) were copied from the skeleton, where they are real.
+        for name, buf in meta_layer.named_buffers():
+            if buf.device.type != "meta":
+                parent, _, leaf = name.rpartition(".")
+                owner = _get(layer, parent) if parent else layer
+                owner._buffers[leaf] = buf.to(device)
+        return layer.to(dtype).eval()
+
+    def _experts_ckpt_name(self, local: str) -> str:
+        """Unfused expert params are named `<module>.experts.<e>.<proj>.weight`; on disk the list level is the module."""
+        layout = self.adapter.experts
+        if layout is not None and local.startswith(layout.module + ".experts."):
+            return layout.module + "." + local[len(layout.module + ".experts."):]
+        return local
+
+    def checkpoint_name(self, i: int, local_module: str) -> str:
+        """Full checkpoint name of a layer-local module (as it must be written for vLLM)."""
+        return self.layer_prefix(i) + self.adapter.to_checkpoint(self._experts_ckpt_name(local_module))
+
+    def materialize_module(self, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+        """Load a top-level module (embeddings, final norm) in place in the skeleton; returns it."""
+        module = _get(self.skeleton, path)
+        for name, param in list(module.named_parameters(recurse=True)):
+            full = f"{path}.{name}"
+            if full not in self.index and name == "weight" and path.endswith("lm_head"):
+                full = self._tied_embedding_name()
+            tensor = self.index.get(full).to(dtype).to(device)
+            parent, _, leaf = name.rpartition(".")
+            owner = _get(module, parent) if parent else module
+            owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        return module
+
+    def release_module(self, path: str) -> None:
+        module = _get(self.skeleton, path)
+        for name, param in list(module.named_parameters(recurse=True)):
+            parent, _, leaf = name.rpartition(".")
+            owner = _get(module, parent) if parent else module
+            owner._parameters[leaf] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
+
+    def _tied_embedding_name(self) -> str:
+        for name in self.index.names():
+            if name.endswith("embed_tokens.weight"):
+                return name
+        raise InputError("lm_head weight missing and no embedding to tie it to")
+
+    def embedding_path(self) -> str:
+        emb = self.skeleton.get_input_embeddings()
+        for name, module in self.skeleton.named_modules():
+            if module is emb:
+                return name
+        raise InputError("cannot locate the input embedding module")
+
+    def base_model(self) -> nn.Module:
+        """The module that owns the decoder layers (its forward runs embeddings -> layers -> norm)."""
+        parent = self.adapter.layers_path.rpartition(".")[0]
+        return _get(self.skeleton, parent) if parent else self.skeleton
+
+
+def open_model(source: ResolvedModel, trust_remote_code: bool = False) -> ModelHandle:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise InputError(f"cannot read config.json of {source.path}: {str(exc).splitlines()[0]}") from None
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
+        raise InputError(
+            f"{source.path} is already quantised ({method}); quantise the original unquantised model instead"
+        )
+    adapter = adapter_for(getattr(config, "model_type", "?"))
+    index = SafetensorsIndex(source.path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with init_empty_weights(include_buffers=False):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    skeleton.eval()
+    # Keep the attention implementation deterministic and dependency-free.
+    skeleton.config._attn_implementation = "sdpa"
+    return ModelHandle(source, config, adapter, index, skeleton, trust_remote_code)
+
+
+def read_config_json(folder: Path) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())

@@ -1,0 +1,1 @@
+"""The sequential layer-wise engine."""

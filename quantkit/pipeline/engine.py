@@ -1,0 +1,426 @@
+"""The sequential engine: calibration tokens -> embeddings -> layer 0 -> ... -> layer N-1, each layer once.
+
+For layer i: materialise it alone; run the cached inputs through it with the methods' statistics hooks
+(this pass also gives the unquantised outputs, the reference for the layer's error); let the methods
+transform/quantise; run the inputs through the quantised layer to get layer i+1's inputs (so later layers
+calibrate on what the quantised model really computes); write its tensors to their planned place in the
+output shards; commit the journal; free the layer. Peak memory is one layer plus the activations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import resource
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import quantkit
+from quantkit.data.calibration import CalibrationSet, build_token_blocks
+from quantkit.errors import InputError, RunError
+from quantkit.formats.compressed_tensors import build_quantization_config, pack_quantized, quantized_specs
+from quantkit.formats.manifest import write_manifest
+from quantkit.formats.safetensors_writer import PlannedShardWriter, TensorSpec
+from quantkit.methods import LayerContext, Method, build_methods
+from quantkit.models.experts import UnfusedExperts
+from quantkit.models.loader import ModelHandle, open_model
+from quantkit.models.source import resolve_model
+from quantkit.pipeline.activations import ActivationStore
+from quantkit.pipeline.capture import capture_layer_inputs, run_layer
+from quantkit.pipeline.journal import Journal
+from quantkit.progress import progress_bar
+from quantkit.quant.schemes import Scheme, get_scheme
+from quantkit.recipe import Recipe
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+
+
+@dataclass
+class LinearPlan:
+    local: str  # module name inside the layer
+    checkpoint: str  # full module name on disk
+    out_features: int
+    in_features: int
+
+
+@dataclass
+class LayerPlan:
+    index: int
+    targets: list[LinearPlan]
+    kept: dict[str, tuple[str, torch.dtype, tuple]]  # local param -> (checkpoint name, disk dtype, shape)
+    copied: list[str]  # checkpoint tensors of the layer that no module parameter covers
+    skipped_linears: list[str] = field(default_factory=list)  # checkpoint names of linears left unquantised
+
+
+def ignore_matches(pattern: str, name: str) -> bool:
+    """compressed-tensors semantics (`re:` prefix = regex match, else exact), plus dotted-suffix matches."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+def plan_layers(handle: ModelHandle, scheme: Scheme, ignore: list[str]) -> list[LayerPlan]:
+    plans = []
+    for i in range(handle.num_layers):
+        layer = handle.meta_layer(i)
+        prefix = handle.layer_prefix(i)
+        targets, skipped = [], []
+        linear_params = set()
+        for local, module in layer.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            ckpt = handle.checkpoint_name(i, local)
+            if handle.adapter.is_protected(local) or any(ignore_matches(p, ckpt) for p in ignore):
+                skipped.append(ckpt)
+                continue
+            targets.append(LinearPlan(local, ckpt, module.out_features, module.in_features))
+            linear_params.add(f"{local}.weight")
+        kept, covered = {}, set()
+        for local, param in layer.named_parameters():
+            ckpt = handle.checkpoint_name(i, local.rpartition(".")[0]) + "." + local.rpartition(".")[2]
+            covered.add(ckpt)
+            if local in linear_params:
+                continue
+            if ckpt not in handle.index:
+                raise InputError(f"checkpoint is missing {ckpt}")
+            kept[local] = (ckpt, handle.index.dtype(ckpt), tuple(param.shape))
+        copied = [n for n in handle.layer_checkpoint_names(i) if n not in covered]
+        plans.append(LayerPlan(i, targets, kept, copied, skipped))
+    return plans
+
+
+def check_group_divisibility(plans: list[LayerPlan], scheme: Scheme) -> None:
+    args = scheme.weights
+    if args.strategy != "group":
+        return
+    widths = {t.in_features for p in plans for t in p.targets}
+    for p in plans:
+        for t in p.targets:
+            if t.in_features % args.group_size:
+                fits = [g for g in (args.group_size // 2**k for k in range(1, 8)) if g >= 8 and all(w % g == 0 for w in widths)]
+                hint = f"--group-size {fits[0]}" if fits else "--group-size -1 (per channel)"
+                raise InputError(
+                    f"{t.checkpoint} has {t.in_features} input features, not a multiple of group size "
+                    f"{args.group_size} (compressed-tensors and vLLM need whole groups); use {hint}"
+                )
+
+
+def _protected_ignore(handle: ModelHandle, plans: list[LayerPlan], user_ignore: list[str]) -> list[str]:
+    """The ignore list written to the config: user regexes verbatim, every unquantised linear by name."""
+    names: list[str] = []
+    for pattern in user_ignore:
+        if pattern.startswith("re:"):
+            names.append(pattern)
+    for p in plans:
+        names.extend(p.skipped_linears)
+    # Router gates that transformers does not model as nn.Linear are still linears to vLLM.
+    for p in plans:
+        for name in handle.layer_checkpoint_names(p.index):
+            module = name.rpartition(".")[0]
+            local = module[len(handle.layer_prefix(p.index)):]
+            if handle.adapter.is_protected(handle.adapter.to_module(local)) and module not in names:
+                names.append(module)
+    lm_head = [n.rpartition(".")[0] for n in handle.non_layer_checkpoint_names() if n.endswith("lm_head.weight")]
+    names = (lm_head or ["lm_head"]) + [n for n in names if n not in lm_head and n != "lm_head"]
+    return names
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda given but no CUDA device is available")
+    if device not in ("cpu", "cuda"):
+        raise InputError(f"unknown device {device!r}: use auto, cpu or cuda")
+    return device
+
+
+def _run_key(recipe: Recipe, calib: CalibrationSet, handle: ModelHandle) -> str:
+    h = hashlib.sha256()
+    rec = recipe.to_dict()
+    rec["output"] = None
+    h.update(json.dumps(rec, sort_keys=True, default=str).encode())
+    h.update(calib.fingerprint.encode())
+    for name, info in sorted(handle.index.tensors.items()):
+        h.update(f"{name}:{info.dtype}:{info.shape}:{info.file.stat().st_size}".encode())
+    h.update(quantkit.__version__.encode())
+    return h.hexdigest()
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _set_calibration_mode(layer: nn.Module, on: bool) -> None:
+    for module in layer.modules():
+        if isinstance(module, UnfusedExperts):
+            module.calibrate_all_experts = on
+
+
+def _auto_batch(seq_len: int) -> int:
+    return max(1, 4096 // seq_len)
+
+
+def process_layer(
+    layer: nn.Module,
+    ctx: LayerContext,
+    methods: list[Method],
+    inputs: ActivationStore,
+    outputs: ActivationStore,
+    calls: list[list[tuple]],
+    n_batches: int,
+    on_batch=None,
+) -> float:
+    """Calibrate, quantise and propagate one layer. Returns the layer's relative output error."""
+    needs_stats = any(m.needs_calibration for m in methods)
+    hooks = [h for m in methods for h in m.attach(ctx)] if needs_stats else []
+    _set_calibration_mode(layer, needs_stats)
+    with torch.no_grad():
+        for j in range(n_batches):
+            outputs[j] = run_layer(layer, inputs[j], calls[j][ctx.index])
+            if on_batch:
+                on_batch()
+    for h in hooks:
+        h.remove()
+    _set_calibration_mode(layer, False)
+    for method in methods:
+        method.apply(ctx)
+    if ctx.pending():
+        raise RunError(f"layer {ctx.index}: {ctx.pending()[0]} was not quantised by {methods[-1].name}")
+    num = den = 0.0
+    with torch.no_grad():
+        for j in range(n_batches):
+            reference = outputs[j]
+            quantized = run_layer(layer, inputs[j], calls[j][ctx.index])
+            if not torch.isfinite(quantized).all():
+                raise RunError(f"layer {ctx.index} produced NaN/Inf after quantisation")
+            num += (quantized - reference).double().pow(2).sum().item()
+            den += reference.double().pow(2).sum().item()
+            outputs[j] = quantized
+            if on_batch:
+                on_batch()
+    return math.sqrt(num / den) if den > 0 else 0.0
+
+
+def quantize_model(
+    recipe: Recipe,
+    output: Path,
+    resume: bool = False,
+    overwrite: bool = False,
+    offload_dir: Path | None = None,
+    device: str = "auto",
+    max_shard_bytes: int | None = None,
+    compute_dtype: str = "auto",
+) -> dict:
+    t_start = time.time()
+    output = Path(output)
+    q, c = recipe.quantization, recipe.calibration
+    scheme = get_scheme(q.scheme, q.group_size)
+    methods = build_methods(q.method, scheme, q.options)
+    if output.exists() and not overwrite:
+        raise InputError(f"output {output} already exists; pass --overwrite to replace it")
+    partial = output.with_name(output.name + ".partial")
+    device = _resolve_device(device)
+
+    resolved = resolve_model(recipe.model.source)
+    handle = open_model(resolved, recipe.model.trust_remote_code)
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(handle.path), trust_remote_code=recipe.model.trust_remote_code)
+    except Exception as exc:
+        raise InputError(f"cannot load the tokenizer of {handle.path}: {str(exc).splitlines()[0]}") from None
+
+    plans = plan_layers(handle, scheme, q.ignore)
+    check_group_divisibility(plans, scheme)
+    if not any(p.targets for p in plans):
+        raise InputError("nothing to quantise: every linear is ignored")
+
+    needs_stats = any(m.needs_calibration for m in methods)
+    n_samples = c.num_samples if needs_stats else min(c.num_samples, c.error_samples)
+    calib = build_token_blocks(tokenizer, c.dataset, n_samples, c.seq_len, c.seed, text_column=c.text_column)
+    batch_size = c.batch_size or _auto_batch(c.seq_len)
+    n_batches = math.ceil(n_samples / batch_size)
+    weight_dtype = handle.source_dtype()
+    # Calibrate in the model's own dtype (bf16 matmuls are ~9x faster than fp32 on CPUs with AMX, and it
+    # is what the model runs in when deployed); statistics are accumulated in fp32 by the methods.
+    compute_dtype = torch.float32 if compute_dtype == "float32" or weight_dtype == torch.float32 else weight_dtype
+
+    # Every output tensor, in order: non-layer tensors as on disk, then each layer.
+    specs: list[TensorSpec] = []
+    for name in handle.non_layer_checkpoint_names():
+        info = handle.index.tensors[name]
+        specs.append(TensorSpec(name, handle.index.dtype(name), info.shape))
+    for p in plans:
+        for t in p.targets:
+            specs.extend(quantized_specs(t.checkpoint, t.out_features, t.in_features, scheme, weight_dtype,
+                                         with_g_idx=_writes_g_idx(methods)))
+        for ckpt, dtype, shape in p.kept.values():
+            specs.append(TensorSpec(ckpt, dtype, shape))
+        for name in p.copied:
+            specs.append(TensorSpec(name, handle.index.dtype(name), handle.index.tensors[name].shape))
+
+    run_key = _run_key(recipe, calib, handle)
+    journal = None
+    if partial.exists():
+        if resume:
+            journal = Journal.load(partial)
+            if journal is None or journal.run_key != run_key:
+                raise InputError(
+                    f"{partial} is from a different run (model, recipe or data changed); pass --overwrite to start over"
+                )
+        elif overwrite:
+            shutil.rmtree(partial)
+        else:
+            raise InputError(f"an unfinished run exists at {partial}; pass --resume to continue it or --overwrite to start over")
+    fresh = journal is None
+    if fresh:
+        journal = Journal(run_key)
+        partial.mkdir(parents=True)
+    state_dir = partial / ".state"
+    try:
+        writer = PlannedShardWriter(partial, specs, max_shard_bytes or 5 * 10**9, create=fresh)
+        if fresh:
+            journal.commit(partial)
+    except OSError as exc:
+        _cleanup_on_disk_full(exc, partial)
+        raise
+
+    spill = Path(offload_dir) if offload_dir else None
+    try:
+        result = _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, device, writer,
+                             journal, partial, state_dir, spill, weight_dtype, compute_dtype)
+    except OSError as exc:
+        _cleanup_on_disk_full(exc, partial)
+        raise RunError(f"cannot write {partial}: {exc.strerror or exc}") from None
+    writer.close()
+    writer.write_index()
+
+    # Config, tokenizer and the rest of the model folder.
+    config = json.loads((handle.path / "config.json").read_text())
+    config["quantization_config"] = build_quantization_config(
+        scheme, _protected_ignore(handle, plans, q.ignore), actorder=_actorder(methods)
+    )
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    for item in handle.path.iterdir():
+        if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name not in (
+            "config.json", "model.safetensors.index.json", "quantkit_manifest.json", "recipe.yaml", "quantkit_source.json"
+        ) and not (item.suffix == ".py" and not recipe.model.trust_remote_code):
+            shutil.copy2(item, partial / item.name)
+    recipe_used = Recipe.from_dict(recipe.to_dict())
+    recipe_used.output = str(output)
+    (partial / "recipe.yaml").write_text(recipe_used.to_yaml())
+    shutil.rmtree(state_dir, ignore_errors=True)
+    Journal.path(partial).unlink(missing_ok=True)
+
+    wall = time.time() - t_start
+    summary = {
+        "output": str(output),
+        "model": resolved.label,
+        "model_path": str(handle.path),
+        "method": q.method,
+        "scheme": scheme.name,
+        "group_size": scheme.weights.group_size if scheme.weights.strategy == "group" else -1,
+        "device": device,
+        "compute_dtype": str(compute_dtype).replace("torch.", ""),
+        "wall_seconds": round(wall, 3),
+        "peak_rss_bytes": _peak_rss(),
+        "original_bytes": handle.index.total_bytes(),
+        "quantized_linears": sum(len(p.targets) for p in plans),
+        "calibration": calib.describe(),
+        "layers": journal.layer_records,
+        "events": journal.events,
+    }
+    manifest = write_manifest(partial, recipe_used, summary, handle)
+    summary["output_bytes"] = manifest["output_bytes"]
+    summary["bits_per_weight"] = manifest["bits_per_weight"]
+    if output.exists():
+        shutil.rmtree(output)
+    partial.rename(output)
+    return summary
+
+
+def _writes_g_idx(methods: list[Method]) -> bool:
+    return any(getattr(m, "writes_g_idx", False) for m in methods)
+
+
+def _actorder(methods: list[Method]) -> str | None:
+    return "group" if _writes_g_idx(methods) else None
+
+
+def _cleanup_on_disk_full(exc: OSError, partial: Path) -> None:
+    if exc.errno == 28:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise RunError(f"disk full while writing {partial}; nothing was left behind") from None
+
+
+def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, device, writer, journal, partial,
+                state_dir, spill, weight_dtype, compute_dtype) -> None:
+    with progress_bar() as progress:
+        if not journal.non_layer_done:
+            for name in handle.non_layer_checkpoint_names():
+                writer.write(name, handle.index.get(name))
+            writer.sync()
+            journal.non_layer_done = True
+            journal.commit(partial)
+
+        hidden, calls = capture_layer_inputs(handle, calib.input_ids, batch_size, device, compute_dtype)
+        current = ActivationStore(spill / "a" if spill else None)
+        start = journal.layers_done
+        if start == 0:
+            for j, h in enumerate(hidden):
+                current[j] = h
+        else:
+            current = ActivationStore.load_from(state_dir / f"gen-{start:05d}", n_batches, spill / "a" if spill else None)
+        del hidden
+
+        layer_task = progress.add_task("layers", total=len(plans), completed=start, info="")
+        batch_task = progress.add_task("  batches", total=2 * n_batches, info="")
+        for plan in plans[start:]:
+            t0 = time.time()
+            i = plan.index
+            layer = handle.materialize_layer(i, compute_dtype, device)
+            modules = dict(layer.named_modules())
+            ctx = LayerContext(
+                index=i,
+                layer=layer,
+                targets={t.local: modules[t.local] for t in plan.targets},
+                scheme=scheme,
+                checkpoint_names={t.local: t.checkpoint for t in plan.targets},
+                weight_dtype=weight_dtype,
+            )
+            nxt = ActivationStore(spill / ("b" if current.folder.name == "a" else "a") if spill else None)
+            progress.reset(batch_task, total=2 * n_batches, info=f"layer {i}")
+            rel = process_layer(layer, ctx, methods, current, nxt, calls, n_batches,
+                                on_batch=lambda: progress.advance(batch_task))
+            for t in plan.targets:
+                for name, tensor in pack_quantized(t.checkpoint, ctx.results[t.local], scheme, weight_dtype).items():
+                    writer.write(name, tensor)
+            params = dict(layer.named_parameters())
+            for local, (ckpt, dtype, _) in plan.kept.items():
+                writer.write(ckpt, params[local].detach().to(dtype))
+            for name in plan.copied:
+                writer.write(name, handle.index.get(name))
+            writer.sync()
+            # Persist the activations entering the next layer, then commit: a kill at any point resumes here.
+            nxt.save_to(state_dir / f"gen-{i + 1:05d}", n_batches)
+            record = {"layer": i, "rel_error": rel, "seconds": round(time.time() - t0, 3),
+                      "linear_errors": ctx.linear_errors}
+            journal.layer_records.append(record)
+            journal.events.extend(ctx.events)
+            journal.layers_done = i + 1
+            journal.commit(partial)
+            shutil.rmtree(state_dir / f"gen-{i:05d}", ignore_errors=True)
+            if current.folder is not None and current.folder != nxt.folder:
+                current.drop()
+            current = nxt
+            del layer, ctx, modules, params
+            progress.update(layer_task, advance=1, info=f"rel err {rel:.4f}")
+        current.drop()

@@ -1,0 +1,33 @@
+"""Rich progress bars on stderr (silent when QUANTKIT_NO_PROGRESS is set or stderr is not a terminal in tests)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+stderr_console = Console(stderr=True)
+
+
+def progress_enabled() -> bool:
+    return not os.environ.get("QUANTKIT_NO_PROGRESS") and sys.stderr.isatty()
+
+
+@contextmanager
+def progress_bar():
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=stderr_console,
+        disable=not progress_enabled(),
+        transient=False,
+    )
+    with progress:
+        yield progress

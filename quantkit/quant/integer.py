@@ -1,0 +1,160 @@
+"""Integer quantisation with the compressed-tensors conventions.
+
+Symmetric:  scale = absmax / ((qmax - qmin) / 2), zero point 0   (int4: absmax / 7.5)
+Asymmetric: scale = (max - min) / (2^bits - 1), zp = clamp(round(qmin - min / scale))
+Both include 0 in the range, so an all-positive or all-negative group still represents 0 exactly.
+Dequantisation is (q - zp) * scale. Quantised values live in the signed range [-2^(b-1), 2^(b-1) - 1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    num_bits: int = 4
+    symmetric: bool = True
+    strategy: str = "group"  # "tensor" | "channel" | "group"
+    group_size: int | None = 128
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_bits <= 8:
+            raise ValueError(f"num_bits must be in 1..8, got {self.num_bits}")
+        if self.strategy not in ("tensor", "channel", "group"):
+            raise ValueError(f"unknown strategy {self.strategy!r}")
+        if self.strategy == "group" and (self.group_size is None or self.group_size <= 0):
+            raise ValueError("group strategy needs a positive group_size")
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.num_bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.num_bits - 1)) - 1
+
+    def num_groups(self, in_features: int) -> int:
+        if self.strategy == "group":
+            return -(-in_features // self.group_size)
+        return 1
+
+
+def group_view(weight: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """View a [out, in] weight as [out, n_groups, group] (channel: one group per row; tensor: one group)."""
+    out_features, in_features = weight.shape
+    if args.strategy == "group":
+        if in_features % args.group_size:
+            raise ValueError(f"in_features {in_features} is not a multiple of group_size {args.group_size}")
+        return weight.reshape(out_features, in_features // args.group_size, args.group_size)
+    if args.strategy == "channel":
+        return weight.reshape(out_features, 1, in_features)
+    return weight.reshape(1, 1, -1)
+
+
+def compute_qparams(
+    min_vals: torch.Tensor, max_vals: torch.Tensor, args: QuantArgs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point (int8 tensor, all zeros when symmetric) from per-group min and max."""
+    min_vals = torch.minimum(min_vals, torch.zeros_like(min_vals))
+    max_vals = torch.maximum(max_vals, torch.zeros_like(max_vals))
+    bit_range = float(args.qmax - args.qmin)
+    if args.symmetric:
+        scale = torch.maximum(min_vals.abs(), max_vals) / (bit_range / 2)
+        zero_point = torch.zeros_like(scale)
+    else:
+        scale = (max_vals - min_vals) / bit_range
+        zero_point = args.qmin - min_vals / torch.where(scale == 0, torch.ones_like(scale), scale)
+        zero_point = zero_point.clamp(args.qmin, args.qmax)
+    eps = torch.finfo(scale.dtype).eps
+    scale = torch.where(scale == 0, torch.full_like(scale, eps), scale)
+    return scale, torch.round(zero_point).to(torch.int8)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantArgs) -> torch.Tensor:
+    """Round to the integer grid; returns int8 values in [qmin, qmax]. Broadcasts scale/zp against x."""
+    q = x / scale
+    if zero_point is not None:
+        q = q + zero_point.to(x.dtype)
+    return torch.round(q).clamp(args.qmin, args.qmax).to(torch.int8)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    x = q.to(scale.dtype)
+    if zero_point is not None:
+        x = x - zero_point.to(scale.dtype)
+    return x * scale
+
+
+def _broadcastable(params: torch.Tensor, weight: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """[out, n_groups] parameters -> broadcast over the [out, n_groups, group] view."""
+    return params.reshape(group_view(weight, args).shape[:2]).unsqueeze(-1)
+
+
+def weight_qparams(weight: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point, each shaped [out, n_groups] ([1] for tensor strategy), in fp32."""
+    grouped = group_view(weight.float(), args)
+    scale, zp = compute_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), args)
+    if args.strategy == "tensor":
+        return scale.reshape(1), zp.reshape(1)
+    return scale, zp
+
+
+def quantize_weight(
+    weight: torch.Tensor,
+    args: QuantArgs,
+    scale: torch.Tensor | None = None,
+    zero_point: torch.Tensor | None = None,
+    scale_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantise a [out, in] weight. Returns (q int8 [out, in], scale [out, n_groups], zp int8 [out, n_groups]).
+
+    Scales come from the weight's own min/max unless given (methods that search scales pass them in).
+    The scale is rounded to `scale_dtype` (the checkpoint's dtype; default the weight's) before the weights
+    are rounded, so the stored scale is exactly the one the integers were computed with.
+    """
+    if scale is None:
+        scale, zero_point = weight_qparams(weight, args)
+    scale_dtype = scale_dtype or weight.dtype
+    scale = scale.to(scale_dtype).float()
+    grouped = group_view(weight.float(), args)
+    zp = None if args.symmetric else _broadcastable(zero_point, weight, args)
+    q = quantize(grouped, _broadcastable(scale, weight, args), zp, args).reshape(weight.shape)
+    if zero_point is None:
+        zero_point = torch.zeros_like(scale, dtype=torch.int8)
+    return q, scale.to(scale_dtype), zero_point
+
+
+def dequantize_weight(
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantArgs, dtype: torch.dtype
+) -> torch.Tensor:
+    grouped = group_view(q, args)
+    zp = None if (args.symmetric or zero_point is None) else _broadcastable(zero_point, q, args)
+    x = dequantize(grouped, _broadcastable(scale.float(), q, args), zp)
+    return x.reshape(q.shape).to(dtype)
+
+
+def fake_quantize(weight: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """Quantise-dequantise round trip in the weight's dtype (what a consumer computes with)."""
+    q, scale, zp = quantize_weight(weight, args)
+    return dequantize_weight(q, scale, zp, args, weight.dtype)
+
+
+def dequantize_weight_args(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    args: QuantArgs,
+    g_idx: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Dequantise a stored weight; with g_idx, column j uses the scale of group g_idx[j] (act-order)."""
+    if g_idx is None:
+        return dequantize_weight(q, scale, zero_point, args, dtype)
+    col_scale = scale.float()[:, g_idx.long()]
+    x = q.float()
+    if zero_point is not None and not args.symmetric:
+        x = x - zero_point.float()[:, g_idx.long()]
+    return (x * col_scale).to(dtype)

@@ -1,0 +1,87 @@
+"""Recipes: one dataclass tree describing a run; YAML in and out. CLI flags override recipe fields."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from quantkit.errors import InputError
+
+
+@dataclass
+class ModelSpec:
+    source: str | None = None  # HF folder, .gguf file, hub id; None = the embedded default
+    trust_remote_code: bool = False
+
+
+@dataclass
+class QuantizationSpec:
+    method: str = "rtn"
+    scheme: str = "W4A16"
+    group_size: int = 128  # -1 = per output channel
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    options: dict = field(default_factory=dict)  # per-method options, keyed by method name
+
+
+@dataclass
+class CalibrationSpec:
+    dataset: str = "kjv"
+    num_samples: int = 128
+    seq_len: int = 512
+    seed: int = 42
+    text_column: str | None = None
+    batch_size: int = 0  # 0 = automatic (about 4096 tokens per batch)
+    error_samples: int = 8  # samples that measure per-layer error for data-free methods
+
+
+@dataclass
+class Recipe:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
+    calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
+    output: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Recipe":
+        data = data or {}
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise InputError(f"recipe has unknown section(s): {', '.join(sorted(unknown))}")
+        parts = {}
+        for f, typ in (("model", ModelSpec), ("quantization", QuantizationSpec), ("calibration", CalibrationSpec)):
+            section = data.get(f) or {}
+            names = {x.name for x in fields(typ)}
+            bad = set(section) - names
+            if bad:
+                raise InputError(f"recipe section {f!r} has unknown field(s): {', '.join(sorted(bad))}")
+            parts[f] = typ(**section)
+        return cls(**parts, output=data.get("output"))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Recipe":
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(f"recipe file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise InputError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if data is not None and not isinstance(data, dict):
+            raise InputError(f"recipe {path} must be a mapping")
+        return cls.from_dict(data)
+
+    def override(self, section: str, **values) -> None:
+        """Set the fields whose value is not None (the CLI flags the user actually gave)."""
+        target = getattr(self, section)
+        for key, value in values.items():
+            if value is not None:
+                setattr(target, key, value)
