@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import resource
 import shutil
@@ -383,9 +384,12 @@ def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, de
 
         layer_task = progress.add_task("layers", total=len(plans), completed=start, info="")
         batch_task = progress.add_task("  batches", total=2 * n_batches, info="")
+        delay = float(os.environ.get("QUANTKIT_DEBUG_LAYER_DELAY", "0"))  # test aid: widen the kill window
         for plan in plans[start:]:
             t0 = time.time()
             i = plan.index
+            if delay:
+                time.sleep(delay)
             layer = handle.materialize_layer(i, compute_dtype, device)
             modules = dict(layer.named_modules())
             ctx = LayerContext(

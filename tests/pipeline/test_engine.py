@@ -1,0 +1,224 @@
+"""End to end: quantise, then let transformers + compressed-tensors load the checkpoint as a real consumer."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from quantkit.pipeline.engine import quantize_model
+from quantkit.recipe import Recipe
+
+
+def _recipe(model: Path, scheme="W4A16", group_size=32, method="rtn", num_samples=4, seq_len=32, **quant) -> Recipe:
+    r = Recipe()
+    r.model.source = str(model)
+    r.quantization.method, r.quantization.scheme, r.quantization.group_size = method, scheme, group_size
+    for k, v in quant.items():
+        setattr(r.quantization, k, v)
+    r.calibration.num_samples, r.calibration.seq_len = num_samples, seq_len
+    return r
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def _oracle_dense(tensors: dict, module: str, bits: int, group: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantise one linear with compressed-tensors' unpacker and the documented formula (q - zp) * scale."""
+    shape = torch.Size(tensors[f"{module}.weight_shape"].tolist())
+    q = unpack_from_int32(tensors[f"{module}.weight_packed"], bits, shape).float()
+    scale = tensors[f"{module}.weight_scale"].float()
+    n_groups = scale.shape[1]
+    if f"{module}.weight_zero_point" in tensors:
+        zp = unpack_from_int32(tensors[f"{module}.weight_zero_point"], bits, torch.Size([shape[0], n_groups]), packed_dim=0).float()
+    else:
+        zp = torch.zeros_like(scale)
+    per = shape[1] // n_groups
+    q = q.reshape(shape[0], n_groups, per)
+    return ((q - zp[..., None]) * scale[..., None]).reshape(shape).to(dtype)
+
+
+def _reference_with_dequantised(original: Path, ckpt: Path, bits: int, group, dtype=torch.float32):
+    """The original model with every quantised linear replaced by its oracle-dequantised weight, built as a
+    dense checkpoint (per-expert names included) so transformers itself does any expert fusing."""
+    import shutil
+    from safetensors.torch import save_file
+
+    tensors = _tensors(ckpt)
+    dense, replaced = {}, 0
+    for name, t in tensors.items():
+        if name.endswith(".weight_packed"):
+            module = name[: -len(".weight_packed")]
+            dense[module + ".weight"] = _oracle_dense(tensors, module, bits, group, dtype)
+            replaced += 1
+        elif not name.endswith((".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")):
+            dense[name] = t
+    folder = ckpt.parent / (ckpt.name + "-oracle")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    save_file(dense, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((ckpt / "config.json").read_text())
+    config.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(config))
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype), replaced
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("scheme,group,bits", [("W4A16", 32, 4), ("W8A16", -1, 8)])
+def test_checkpoint_loads_in_transformers_and_matches(tmp_path, tiny_models, family, scheme, group, bits):
+    src = tiny_models[family]
+    out = tmp_path / "q"
+    summary = quantize_model(_recipe(src, scheme, group), out)
+    assert summary["quantized_linears"] == 14  # 7 linears x 2 layers
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ref, replaced = _reference_with_dequantised(src, out, bits, group)
+    assert replaced == 14
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, rtol=0, atol=1e-5)
+        # and quantisation did something
+        plain = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        assert (plain(ids).logits - ref(ids).logits).abs().max() > 1e-4
+
+
+def test_asymmetric_checkpoint_matches_with_dequantize_load(tmp_path, tiny_models):
+    """Asymmetric W4A16 loads in transformers with dequantize=True (its default path has a zero-point bug)."""
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    src, out = tiny_models["llama"], tmp_path / "q"
+    quantize_model(_recipe(src, "W4A16_ASYM", 32), out)
+    tensors = _tensors(out)
+    assert "model.layers.0.self_attn.q_proj.weight_zero_point" in tensors
+    assert tensors["model.layers.0.self_attn.q_proj.weight_zero_point"].shape == (8, 2)  # [ceil(64*4/32), 64/32]
+    loaded = AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
+    ref, _ = _reference_with_dequantised(src, out, 4, 32)
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,gate,expert_fmt,n_experts", [
+    ("mixtral", "block_sparse_moe.gate", "block_sparse_moe.experts.{e}.{p}", 4),
+    ("qwen2_moe", "mlp.gate", "mlp.experts.{e}.{p}", 4),
+])
+def test_moe_every_expert_quantised_router_untouched(tmp_path, tiny_models, family, gate, expert_fmt, n_experts):
+    src, out = tiny_models[family], tmp_path / "q"
+    quantize_model(_recipe(src, "W4A16", 32), out)
+    tensors = _tensors(out)
+    projs = ("w1", "w2", "w3") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    for layer in range(2):
+        for e in range(n_experts):
+            for p in projs:
+                name = f"model.layers.{layer}." + expert_fmt.format(e=e, p=p)
+                assert f"{name}.weight_packed" in tensors, name
+                assert f"{name}.weight" not in tensors
+        router = f"model.layers.{layer}.{gate}"
+        original = _tensors(src)
+        assert torch.equal(tensors[f"{router}.weight"], original[f"{router}.weight"])
+        ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+        assert router in ignore
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ref, replaced = _reference_with_dequantised(src, out, 4, 32)
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        # transformers re-fuses the dequantised experts; routing must then agree exactly
+        torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_sharded_output_loads(tmp_path, tiny_models):
+    src, out = tiny_models["llama"], tmp_path / "q"
+    quantize_model(_recipe(src), out, max_shard_bytes=20_000)
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    single = tmp_path / "single"
+    quantize_model(_recipe(src), single)
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32)
+        torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+def test_outputs_are_deterministic_and_manifest_complete(tmp_path, tiny_models):
+    src = tiny_models["llama"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    quantize_model(_recipe(src), a)
+    quantize_model(_recipe(src), b)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    manifest = json.loads((a / "quantkit_manifest.json").read_text())
+    assert set(manifest["files"]) >= {"model.safetensors", "config.json", "recipe.yaml"}
+    assert len(manifest["calibration"]["fingerprint"]) == 64
+    assert len(manifest["layers"]) == 2 and all(0 < l["rel_error"] < 1 for l in manifest["layers"])
+    assert manifest["source"]["files"]["model.safetensors"]["sha256"]
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def _run_cli(args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "quantkit.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "QUANTKIT_NO_PROGRESS": "1", **(env or {})}, **kw)
+
+
+def test_resume_after_sigkill_gives_identical_tensors(tmp_path):
+    from tests.conftest import make_tiny_model
+
+    src = make_tiny_model(tmp_path / "src", "llama", num_hidden_layers=6)
+    args = ["quantize", "--model", str(src), "--method", "rtn", "--group-size", "32", "--num-samples", "4",
+            "--seq-len", "32"]
+    clean = tmp_path / "clean"
+    assert _run_cli(args + ["--output", str(clean)]).returncode == 0
+    out = tmp_path / "killed"
+    partial = tmp_path / "killed.partial"
+    proc = subprocess.Popen([sys.executable, "-m", "quantkit.cli", *args, "--output", str(out)],
+                            env={**os.environ, "QUANTKIT_NO_PROGRESS": "1", "QUANTKIT_DEBUG_LAYER_DELAY": "0.4"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    journal = partial / ".quantkit-journal.json"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if journal.exists() and json.loads(journal.read_text() or "{}").get("layers_done", 0) >= 2:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists() and partial.exists()
+    refused = _run_cli(args + ["--output", str(out)])
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+    resumed = _run_cli(args + ["--output", str(out), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert not partial.exists()
+    assert _tensors(out).keys() == _tensors(clean).keys()
+    for k, v in _tensors(clean).items():
+        assert torch.equal(_tensors(out)[k], v), k
+    assert (out / "model.safetensors").read_bytes() == (clean / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_real_smollm2_w4a16_g64_loads_in_transformers(tmp_path, smollm2_path):
+    out = tmp_path / "smol"
+    r = _recipe(smollm2_path, "W4A16", 64, num_samples=8, seq_len=128)
+    r.model.source = None  # the embedded default
+    summary = quantize_model(r, out)
+    assert summary["quantized_linears"] == 210
+    assert 4.2 < summary["bits_per_weight"] < 4.3
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    ref, replaced = _reference_with_dequantised(smollm2_path, out, 4, 64, dtype=torch.bfloat16)
+    assert replaced == 210
+    ids = torch.randint(0, 49152, (1, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, rtol=0, atol=0)

@@ -1,0 +1,153 @@
+"""Every bad input gets one line on stderr, a non-zero exit, no traceback and nothing partial on disk."""
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from quantkit.cli import app
+
+runner = CliRunner()
+
+
+def _quantize(*args):
+    return runner.invoke(app, ["quantize", *args], catch_exceptions=False)
+
+
+def _assert_one_line_error(result, code, *needles):
+    assert result.exit_code == code, (result.exit_code, result.output)
+    err = result.stderr.strip()
+    assert "Traceback" not in result.output and "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+
+
+def _base(tmp_path, model):
+    return ["--model", str(model), "--group-size", "32", "--num-samples", "2", "--seq-len", "16",
+            "--output", str(tmp_path / "out")]
+
+
+def test_missing_model(tmp_path):
+    _assert_one_line_error(_quantize("--model", str(tmp_path / "nope"), "--output", str(tmp_path / "o")), 2, "does not exist")
+
+
+def test_folder_that_is_not_a_model(tmp_path):
+    (tmp_path / "m").mkdir()
+    _assert_one_line_error(_quantize("--model", str(tmp_path / "m"), "--output", str(tmp_path / "o")), 2, "config.json")
+
+
+def test_unsupported_architecture_names_supported_ones(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    _assert_one_line_error(_quantize(*_base(tmp_path, tmp_path / "gpt2")), 2, "unsupported architecture 'gpt2'", "llama")
+
+
+def test_corrupt_and_truncated_safetensors(tmp_path, tiny_models):
+    import shutil
+
+    bad = tmp_path / "corrupt"
+    shutil.copytree(tiny_models["llama"], bad)
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    _assert_one_line_error(_quantize(*_base(tmp_path, bad)), 2, "corrupt safetensors")
+    cut = tmp_path / "truncated"
+    shutil.copytree(tiny_models["llama"], cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _assert_one_line_error(_quantize(*_base(tmp_path, cut)), 2, "truncated safetensors")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_dataset_missing_empty_and_too_short(tmp_path, tiny_models):
+    base = _base(tmp_path, tiny_models["llama"])
+    _assert_one_line_error(_quantize(*base, "--dataset", str(tmp_path / "none.txt")), 2, "does not exist")
+    (tmp_path / "empty.txt").write_text("")
+    _assert_one_line_error(_quantize(*base, "--dataset", str(tmp_path / "empty.txt")), 2, "empty")
+    (tmp_path / "short.txt").write_text("only a few words here")
+    result = _quantize(*base, "--dataset", str(tmp_path / "short.txt"))
+    _assert_one_line_error(result, 2, "too few", "tokens")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_method_and_scheme_list_valid_ones(tmp_path, tiny_models):
+    base = _base(tmp_path, tiny_models["llama"])
+    _assert_one_line_error(_quantize(*base, "--method", "magic"), 2, "unknown method 'magic'", "rtn")
+    _assert_one_line_error(_quantize(*base, "--scheme", "W2A2"), 2, "unknown scheme", "W4A16")
+
+
+def test_invalid_group_sizes(tmp_path, tiny_models):
+    model = str(tiny_models["llama"])
+    _assert_one_line_error(_quantize("--model", model, "--group-size", "0", "--output", str(tmp_path / "o")), 2,
+                           "invalid group size")
+    # 64 hidden / 128 intermediate: group 48 divides neither; the message names the layer and a size that fits
+    _assert_one_line_error(_quantize("--model", model, "--group-size", "48", "--output", str(tmp_path / "o")), 2,
+                           "model.layers.0.self_attn.q_proj", "--group-size")
+
+
+def test_output_exists_needs_overwrite(tmp_path, tiny_models):
+    base = _base(tmp_path, tiny_models["llama"])
+    (tmp_path / "out").mkdir()
+    _assert_one_line_error(_quantize(*base), 2, "already exists", "--overwrite")
+    ok = _quantize(*base, "--overwrite", "--json")
+    assert ok.exit_code == 0, ok.output
+    summary = json.loads(ok.stdout)
+    assert summary["scheme"] == "W4A16" and summary["quantized_linears"] == 14
+    assert (tmp_path / "out" / "quantkit_manifest.json").is_file()
+
+
+def test_disk_full_leaves_nothing(tmp_path, tiny_models, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    result = _quantize(*_base(tmp_path, tiny_models["llama"]))
+    _assert_one_line_error(result, 1, "disk full")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_disk_full_midway_leaves_nothing(tmp_path, tiny_models, monkeypatch):
+    real = os.pwrite
+    calls = {"n": 0}
+
+    def flaky(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise OSError(28, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", flaky)
+    _assert_one_line_error(_quantize(*_base(tmp_path, tiny_models["llama"])), 1, "disk full")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_recipe_roundtrip_reproduces_run(tmp_path, tiny_models):
+    first = tmp_path / "first"
+    args = ["--model", str(tiny_models["llama"]), "--group-size", "32", "--num-samples", "2", "--seq-len", "16"]
+    assert _quantize(*args, "--output", str(first)).exit_code == 0
+    again = runner.invoke(app, ["quantize", "--recipe", str(first / "recipe.yaml"), "--output", str(tmp_path / "again")])
+    assert again.exit_code == 0, again.output
+    assert (first / "model.safetensors").read_bytes() == (tmp_path / "again" / "model.safetensors").read_bytes()
+
+
+def test_inspect_verifies_hashes(tmp_path, tiny_models):
+    out = tmp_path / "out"
+    assert _quantize(*_base(tmp_path, tiny_models["llama"])).exit_code == 0
+    good = runner.invoke(app, ["inspect", str(out), "--json"])
+    assert good.exit_code == 0
+    report = json.loads(good.stdout)
+    assert report["hash_mismatches"] == [] and report["bits_per_weight"] > 4
+    assert len(report["layers"]) == 2 and all(r["linears"] == 7 for r in report["layers"])
+    config = out / "config.json"
+    config.write_text(config.read_text().replace('"hidden_act"', '"hidden_act" ', 1))
+    bad = runner.invoke(app, ["inspect", str(out)])
+    assert bad.exit_code == 1 and "config.json" in bad.stderr
+    missing = runner.invoke(app, ["inspect", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2
+
+
+def test_help_lists_all_commands():
+    result = runner.invoke(app, ["--help"])
+    for command in ("quantize", "convert-mla", "eval", "inspect"):
+        assert command in result.output
