@@ -8,29 +8,35 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-import torch
-from compressed_tensors.quantization import (
+# llm-compressor logs to stdout, from import time on. Point fd 1 at stderr before the
+# imports below, and keep a copy of the real stdout for the single JSON result line.
+RESULT_STREAM = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+from compressed_tensors.quantization import (  # noqa: E402
     QuantizationArgs,
     QuantizationScheme,
     QuantizationStrategy,
     preset_name_to_scheme,
 )
-from datasets import Dataset
-from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from datasets import Dataset  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-import llmcompressor
-from llmcompressor import oneshot
-from llmcompressor.modifiers.gptq import GPTQModifier
-from llmcompressor.modifiers.quantization import QuantizationModifier
-from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
+import llmcompressor  # noqa: E402
+from llmcompressor import oneshot  # noqa: E402
+from llmcompressor.modifiers.gptq import GPTQModifier  # noqa: E402
+from llmcompressor.modifiers.quantization import QuantizationModifier  # noqa: E402
+from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier  # noqa: E402
 
 RECIPES = ("rtn", "gptq", "awq", "smoothquant_gptq_w8a8", "fp8_block", "fp8_dynamic")
 IGNORE = ["lm_head"]
@@ -164,7 +170,7 @@ def main() -> None:
         "output": str(args.output.resolve()),
     }
     line = json.dumps(result)
-    print(line)
+    print(line, file=RESULT_STREAM, flush=True)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(line + "\n")

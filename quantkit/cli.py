@@ -64,8 +64,8 @@ def _print_json(obj) -> None:
 @app.command()
 def quantize(
     model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file or hub id (default: embedded SmolLM2-135M)."),
-    method: Optional[str] = typer.Option(None, "--method", help="rtn (compose with +, e.g. smoothquant+gptq)."),
-    scheme: Optional[str] = typer.Option(None, "--scheme", help="W4A16, W4A16_ASYM, W8A16."),
+    method: Optional[str] = typer.Option(None, "--method", help="rtn, gptq (compose with +, e.g. smoothquant+gptq)."),
+    scheme: Optional[str] = typer.Option(None, "--scheme", help="W4A16, W4A16_ASYM, W8A16, W8A8, W8A8_STATIC, FP8, FP8_DYNAMIC, FP8_BLOCK."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Weights per scale (default 128); -1 = per output channel."),
     ignore: Optional[list[str]] = typer.Option(None, "--ignore", help="Module name or re:pattern to leave unquantised (repeatable)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="kjv (built in), a .txt/.jsonl/.json/.parquet/.csv file, or an HF dataset."),
@@ -73,12 +73,15 @@ def quantize(
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Calibration samples (default 128)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (default 512)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default 42)."),
+    actorder: Optional[str] = typer.Option(None, "--actorder", help="GPTQ column order: static (default), group (writes g_idx) or none."),
+    dampening: Optional[float] = typer.Option(None, "--dampening", help="GPTQ dampening relative to mean diag(H) (default 0.01)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output folder (written atomically)."),
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="YAML recipe; flags override its fields."),
     resume: bool = typer.Option(False, "--resume", help="Continue a killed run from its journal."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Spill calibration activations to this folder."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    strict: bool = typer.Option(False, "--strict", help="Refuse layers that cannot take the scheme instead of falling back."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the checkpoint (off by default)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -91,7 +94,12 @@ def quantize(
 
         rec = Recipe.load(recipe) if recipe else Recipe()
         rec.override("model", source=model, trust_remote_code=trust_remote_code or None)
-        rec.override("quantization", method=method, scheme=scheme, group_size=group_size, ignore=ignore or None)
+        rec.override("quantization", method=method, scheme=scheme, group_size=group_size, ignore=ignore or None,
+                     strict=strict or None)
+        gptq_flags = {k: v for k, v in (("actorder", actorder), ("dampening", dampening)) if v is not None}
+        if gptq_flags:
+            rec.quantization.options = {**rec.quantization.options,
+                                        "gptq": {**rec.quantization.options.get("gptq", {}), **gptq_flags}}
         rec.override("calibration", dataset=dataset, num_samples=num_samples, seq_len=seq_len, seed=seed,
                      text_column=text_column)
         out = output or (Path(rec.output) if rec.output else None)
@@ -110,6 +118,9 @@ def quantize(
             errs = [layer["rel_error"] for layer in summary["layers"]]
             if errs:
                 console.print(f"per-layer relative output error: mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f}")
+            for name, modules in summary.get("scheme_overrides", {}).items():
+                console.print(f"[yellow]note:[/] {len(modules)} linears use {name} instead (input size not a "
+                              f"multiple of the block): {', '.join(modules[:4])}{' ...' if len(modules) > 4 else ''}")
             for event in summary["events"]:
                 console.print(f"[yellow]warning:[/] layer {event['layer']} {event['module']}: {event['event']}")
 
@@ -161,18 +172,123 @@ def _print_inspect(report: dict) -> None:
 
 @app.command("convert-mla")
 def convert_mla(
+    model: Optional[str] = typer.Option(None, "--model", help="Llama/Mistral/Qwen2 HF folder, .gguf or hub id (default: embedded SmolLM2-135M)."),
+    kv_lora_rank: Optional[str] = typer.Option(None, "--kv-lora-rank", help="Latent size per token and layer, or 'full' (exact maximum). Default: n_kv*head_dim/2."),
+    rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Dims of the shared RoPE key (even, <= head_dim; default head_dim/2)."),
+    dataset: str = typer.Option("kjv", "--dataset", help="Calibration text: kjv (built in) or a local .txt/.jsonl/.json/.parquet/.csv file."),
+    num_samples: int = typer.Option(32, "--num-samples", help="Calibration samples."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration sample."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output folder (written atomically)."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Comma-separated ranks: convert at each (into OUTPUT/rank-R) and plot KV size vs KL."),
+    eval_samples: int = typer.Option(8, "--eval-samples", help="Held-out KJV samples for KL/perplexity (0 = skip)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Convert a GQA/MHA model to Multi-Head Latent Attention (not implemented yet)."""
-    _fail("convert-mla is not implemented yet", 2)
+    """Convert a GQA/MHA model to Multi-head Latent Attention (DeepSeek-V3 layout, loads without custom code)."""
+
+    def parse_rank(text):
+        if text is None:
+            return None
+        if text.strip().lower() in ("full", "max"):
+            return -1
+        try:
+            value = int(text)
+        except ValueError:
+            raise QuantkitError(f"--kv-lora-rank must be an integer or 'full'; got {text!r}") from None
+        if value < 1:
+            raise QuantkitError(f"--kv-lora-rank must be at least 1; got {value}")
+        return value
+
+    def body():
+        from quantkit.convert.mla import run_convert
+
+        if output is None:
+            raise QuantkitError("--output is required")
+        ranks = [parse_rank(r) for r in sweep.split(",") if r.strip()] if sweep else [parse_rank(kv_lora_rank)]
+        report = run_convert(model, output, ranks, rope_dim, dataset, num_samples, seq_len, eval_samples,
+                             overwrite, sweep=bool(sweep))
+        if as_json:
+            _print_json(report)
+        else:
+            _print_mla(report)
+
+    _guarded(debug, body)
+
+
+def _print_mla(report: dict) -> None:
+    table = Table(title=f"MLA conversion of {report['model']}")
+    for col in ("output", "kv_lora_rank", "rope dim", "cached/token/layer", "KV bytes/token bf16", "fp8",
+                "KL", "ppl (base)", "top-1"):
+        table.add_column(col, justify="right")
+    for run in report["runs"]:
+        kv, ev = run["kv_cache"], run.get("eval") or {}
+        table.add_row(
+            run["output"], str(run["dims"]["kv_lora_rank"]), str(run["dims"]["rope_dim"]),
+            f"{kv['values_per_token_per_layer']['before']} -> {kv['values_per_token_per_layer']['after']}",
+            f"{kv['bytes_per_token_bf16']['before']} -> {kv['bytes_per_token_bf16']['after']}",
+            f"{kv['bytes_per_token_fp8']['before']} -> {kv['bytes_per_token_fp8']['after']}",
+            f"{ev['kl']:.4f}" if ev else "-",
+            f"{ev['ppl']:.2f} ({ev['ppl_base']:.2f})" if ev else "-",
+            f"{ev['top1_agreement']:.3f}" if ev else "-",
+        )
+    console.print(table)
+    if report.get("plot"):
+        console.print(f"plot: {report['plot']}")
 
 
 @app.command("eval")
 def eval_cmd(
+    checkpoints: list[Path] = typer.Argument(..., help="Checkpoint folders (compressed-tensors or plain HF)."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="Reference model (default: the model the checkpoint was made from)."),
+    dataset: str = typer.Option("kjv", "--dataset", help="kjv (held-out split) or a .txt/.jsonl/.json/.parquet/.csv file."),
+    text_column: Optional[str] = typer.Option(None, "--text-column", help="Column holding the text (auto-detected)."),
+    num_samples: int = typer.Option(32, "--num-samples", help="Token blocks to score."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per block."),
+    tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Multiple-choice JSONL file(s) or built-in set names ('builtin'); repeatable or comma-separated."),
+    lm_eval: Optional[str] = typer.Option(None, "--lm-eval", help="lm-evaluation-harness tasks (comma-separated; needs lm-eval)."),
+    throughput: bool = typer.Option(False, "--throughput", help="Measure prefill/decode tokens/s, time to first token, peak memory."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Write report.json, report.md and PNG plots to this folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Gate: fail (exit 3) if mean KL exceeds this."),
+    max_ppl_increase: Optional[float] = typer.Option(None, "--max-ppl-increase", help="Gate: fail if perplexity rises by more than this percentage."),
+    min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Gate: fail if top-1 agreement (0..1) is below this."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (the checkpoint's), float32, bfloat16, float16."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Blocks per forward pass."),
+    seed: int = typer.Option(42, "--seed", help="Sampling seed of the token blocks."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Evaluate checkpoints: perplexity, KL divergence, tasks, throughput (not implemented yet)."""
-    _fail("eval is not implemented yet", 2)
+    """Evaluate checkpoints against a baseline: perplexity, KL divergence, top-1, delta-p, tasks, throughput, gates."""
+
+    def body():
+        from quantkit.eval.report import print_table, write_report
+        from quantkit.eval.runner import EvalOptions, run_eval
+
+        opts = EvalOptions(
+            checkpoints=list(checkpoints), baseline=baseline, dataset=dataset, num_samples=num_samples,
+            seq_len=seq_len, seed=seed, text_column=text_column, tasks=list(tasks or []), lm_eval_tasks=lm_eval,
+            throughput=throughput, device=device, dtype=dtype, batch_size=batch_size, max_kl=max_kl,
+            max_ppl_increase=max_ppl_increase, min_top1=min_top1,
+        )
+        run = run_eval(opts)
+        if report is not None:
+            files = write_report(report, run.report, run.token_kl)
+            if not as_json:
+                console.print(f"[green]wrote[/] {', '.join(str(report / f) for f in files)}")
+        if as_json:
+            _print_json(run.report)
+        else:
+            print_table(console, run.report)
+        failed = [g for g in run.report["gates"] if not g["passed"]]
+        for g in failed:
+            err_console.print(
+                f"[bold red]gate failed:[/] {g['checkpoint']}: {g['metric']} {g['value']} "
+                f"{'<' if g['gate'] == 'min_top1' else '>'} {g['threshold']} ({g['gate']})", highlight=False, soft_wrap=True)
+        if failed:
+            raise typer.Exit(3)
+
+    _guarded(debug, body)
 
 
 def main() -> None:  # pragma: no cover - console entry point

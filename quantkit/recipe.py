@@ -23,6 +23,7 @@ class QuantizationSpec:
     group_size: int = 128  # -1 = per output channel
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     options: dict = field(default_factory=dict)  # per-method options, keyed by method name
+    strict: bool = False  # refuse instead of falling back when a layer cannot take the scheme (FP8_BLOCK)
 
 
 @dataclass

@@ -20,23 +20,42 @@ def quantized_specs(name: str, out_features: int, in_features: int, scheme: Sche
                     with_g_idx: bool = False) -> list[TensorSpec]:
     """Tensors a quantised linear `name` (checkpoint module name) occupies on disk."""
     args = scheme.weights
-    groups = args.num_groups(in_features)
-    specs = [
-        TensorSpec(f"{name}.weight_packed", torch.int32, (out_features, packed_columns(in_features, args.num_bits))),
-        TensorSpec(f"{name}.weight_scale", dtype, (out_features, groups)),
-        TensorSpec(f"{name}.weight_shape", torch.int64, (2,)),
-    ]
-    if not args.symmetric:
-        specs.append(TensorSpec(f"{name}.weight_zero_point", torch.int32,
-                                (packed_columns(out_features, args.num_bits), groups)))
-    if with_g_idx:
-        specs.append(TensorSpec(f"{name}.weight_g_idx", torch.int32, (in_features,)))
+    if scheme.format == "pack-quantized":
+        groups = args.num_groups(in_features)
+        specs = [
+            TensorSpec(f"{name}.weight_packed", torch.int32, (out_features, packed_columns(in_features, args.num_bits))),
+            TensorSpec(f"{name}.weight_scale", dtype, (out_features, groups)),
+            TensorSpec(f"{name}.weight_shape", torch.int64, (2,)),
+        ]
+        if not args.symmetric:
+            specs.append(TensorSpec(f"{name}.weight_zero_point", torch.int32,
+                                    (packed_columns(out_features, args.num_bits), groups)))
+        if with_g_idx:
+            specs.append(TensorSpec(f"{name}.weight_g_idx", torch.int32, (in_features,)))
+        return specs
+    # int-quantized / float-quantized: the values themselves, one byte each
+    value_dtype = torch.float8_e4m3fn if args.type == "float" else torch.int8
+    scale_shape = {"tensor": (1,), "channel": (out_features, 1)}.get(args.strategy)
+    if args.strategy == "block":
+        bh, bw = args.block
+        scale_shape = (-(-out_features // bh), -(-in_features // bw))
+    specs = [TensorSpec(f"{name}.weight", value_dtype, (out_features, in_features)),
+             TensorSpec(f"{name}.weight_scale", dtype, scale_shape)]
+    if scheme.static_activations:
+        specs.append(TensorSpec(f"{name}.input_scale", dtype, (1,)))
     return specs
 
 
-def pack_quantized(name: str, result: QuantizedWeight, scheme: Scheme, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def pack_quantized(name: str, result: QuantizedWeight, scheme: Scheme, dtype: torch.dtype,
+                   input_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The on-disk tensors of one quantised linear, matching `quantized_specs`."""
     args = scheme.weights
     out_features, in_features = result.q.shape
+    if scheme.format != "pack-quantized":
+        tensors = {f"{name}.weight": result.q.contiguous(), f"{name}.weight_scale": result.scale.to(dtype).contiguous()}
+        if scheme.static_activations:
+            tensors[f"{name}.input_scale"] = input_scale.reshape(1).to(dtype)
+        return tensors
     tensors = {
         f"{name}.weight_packed": pack_int32(result.q.to(torch.int8), args.num_bits),
         f"{name}.weight_scale": result.scale.reshape(out_features, -1).to(dtype),
@@ -50,30 +69,65 @@ def pack_quantized(name: str, result: QuantizedWeight, scheme: Scheme, dtype: to
     return tensors
 
 
-def build_quantization_config(scheme: Scheme, ignore: list[str], actorder: str | None = None) -> dict:
-    """config.json's `quantization_config`, validated by compressed-tensors' own pydantic models."""
-    import compressed_tensors
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+def _weight_args(scheme: Scheme, actorder: str | None):
+    from compressed_tensors.quantization import QuantizationArgs
 
     w = scheme.weights
-    weights = QuantizationArgs(
+    return QuantizationArgs(
         num_bits=w.num_bits,
-        type="int",
+        type=w.type,
         symmetric=w.symmetric,
         strategy=w.strategy,
         group_size=w.group_size if w.strategy == "group" else None,
-        actorder=actorder,
+        block_structure=list(w.block) if w.strategy == "block" else None,
+        # compressed-tensors >= 0.20 refuses actorder='group' (written below, after validation).
+        actorder=None if actorder == "group" else actorder,
         observer="minmax",
     )
-    group = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=None, format=scheme.format)
+
+
+def _activation_args(scheme: Scheme):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    a = scheme.input_activations
+    if a is None:
+        return None
+    return QuantizationArgs(num_bits=a.num_bits, type=a.type, symmetric=True, strategy=a.strategy,
+                            dynamic=a.dynamic, group_size=a.group_size,
+                            observer=None if a.dynamic else "minmax")
+
+
+def build_quantization_config(scheme: Scheme, ignore: list[str], actorder: str | None = None,
+                              overrides: dict[str, list[str]] | None = None) -> dict:
+    """config.json's `quantization_config`, validated by compressed-tensors' own pydantic models.
+
+    `overrides` maps a scheme name to the checkpoint module names that use it instead of `scheme` (e.g. the
+    FP8_BLOCK layers whose K is not a multiple of 128); each becomes its own config group targeting those
+    names, which both compressed-tensors and vLLM match before the class target "Linear".
+    """
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    from quantkit.quant.schemes import get_scheme
+
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=_weight_args(scheme, actorder),
+                                            input_activations=_activation_args(scheme), format=scheme.format)}
+    for k, (name, modules) in enumerate(sorted((overrides or {}).items()), start=1):
+        other = get_scheme(name)
+        groups[f"group_{k}"] = QuantizationScheme(targets=sorted(modules), weights=_weight_args(other, None),
+                                                  input_activations=_activation_args(other), format=other.format)
+    formats = {g.format for g in groups.values()}
     config = QuantizationConfig(
-        config_groups={"group_0": group},
-        format=scheme.format,
+        config_groups=groups,
+        format=formats.pop() if len(formats) == 1 else "mixed-precision",
         quantization_status="compressed",
         ignore=list(ignore),
     )
     out = config.model_dump(exclude_none=False)
     out["quant_method"] = "compressed-tensors"
+    if actorder == "group":
+        # g_idx checkpoints: the field older compressed-tensors/vLLM read; current vLLM refuses them loudly.
+        out["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     out["sparsity_config"] = {}
     out["transform_config"] = {}
     out["version"] = compressed_tensors.__version__

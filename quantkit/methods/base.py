@@ -13,14 +13,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from quantkit.quant import dequantize_weight_args
+from quantkit.quant.weights import dequantize_any
 from quantkit.quant.schemes import Scheme
 
 
 @dataclass
 class QuantizedWeight:
-    q: torch.Tensor  # int8 [out, in], values in the scheme's signed range
-    scale: torch.Tensor  # fp32 [out, n_groups] (tensor strategy: [1])
+    q: torch.Tensor  # [out, in]: int8 values in the scheme's signed range, or float8_e4m3fn
+    scale: torch.Tensor  # fp32, stored layout: [out, n_groups] / [out, 1] / [1] / [ceil(out/bh), ceil(in/bw)]
     zero_point: torch.Tensor | None  # int8 [out, n_groups], None when symmetric
     g_idx: torch.Tensor | None = None  # int32 [in]: group of each input column (act-order "group")
     method: str = ""
@@ -31,12 +31,18 @@ class LayerContext:
     index: int
     layer: nn.Module  # fp32 copy of the decoder layer on the compute device
     targets: dict[str, nn.Linear]  # layer-local name -> linear to quantise
-    scheme: Scheme
+    scheme: Scheme  # the run's scheme; `schemes` overrides it per linear (fallbacks)
     checkpoint_names: dict[str, str]  # layer-local name -> full checkpoint name
     weight_dtype: torch.dtype = torch.bfloat16  # dtype of weights and scales in the checkpoint
     results: dict[str, QuantizedWeight] = field(default_factory=dict)
     events: list[dict] = field(default_factory=list)  # warnings / fallbacks, written to the manifest
     linear_errors: dict[str, float] = field(default_factory=dict)  # relative output error per linear
+    schemes: dict[str, Scheme] = field(default_factory=dict)
+    input_absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # static-activation observers
+    input_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # static input_scale per linear
+
+    def scheme_for(self, name: str) -> Scheme:
+        return self.schemes.get(name, self.scheme)
 
     def warn(self, linear: str, what: str) -> None:
         self.events.append({"layer": self.index, "module": self.checkpoint_names.get(linear, linear), "event": what})
@@ -45,9 +51,9 @@ class LayerContext:
         """Record a linear's quantised weight and swap the dequantised values into the module, so the rest
         of the layer (and the next layers) run with what the checkpoint will contain."""
         linear = self.targets[name]
-        args = self.scheme.weights
+        args = self.scheme_for(name).weights
         scale = result.scale.to(self.weight_dtype).float()
-        deq = dequantize_weight_args(result.q, scale, result.zero_point, args, result.g_idx)
+        deq = dequantize_any(result.q, scale, result.zero_point, args, result.g_idx)
         # A consumer multiplies in the scale's dtype: round the product the same way.
         linear.weight.data.copy_(deq.to(self.weight_dtype).to(linear.weight.dtype))
         self.results[name] = result

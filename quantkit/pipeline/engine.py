@@ -37,7 +37,7 @@ from quantkit.pipeline.activations import ActivationStore
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
 from quantkit.pipeline.journal import Journal
 from quantkit.progress import progress_bar
-from quantkit.quant.schemes import Scheme, get_scheme
+from quantkit.quant.schemes import Scheme, block_fallback, get_scheme
 from quantkit.recipe import Recipe
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
@@ -49,6 +49,7 @@ class LinearPlan:
     checkpoint: str  # full module name on disk
     out_features: int
     in_features: int
+    scheme: Scheme  # the run's scheme, or the fallback this linear needs
 
 
 @dataclass
@@ -67,7 +68,7 @@ def ignore_matches(pattern: str, name: str) -> bool:
     return name == pattern or name.endswith("." + pattern)
 
 
-def plan_layers(handle: ModelHandle, scheme: Scheme, ignore: list[str]) -> list[LayerPlan]:
+def plan_layers(handle: ModelHandle, scheme: Scheme, ignore: list[str], strict: bool = False) -> list[LayerPlan]:
     plans = []
     for i in range(handle.num_layers):
         layer = handle.meta_layer(i)
@@ -81,7 +82,13 @@ def plan_layers(handle: ModelHandle, scheme: Scheme, ignore: list[str]) -> list[
             if handle.adapter.is_protected(local) or any(ignore_matches(p, ckpt) for p in ignore):
                 skipped.append(ckpt)
                 continue
-            targets.append(LinearPlan(local, ckpt, module.out_features, module.in_features))
+            fallback = block_fallback(scheme, module.in_features)
+            if fallback is not None and strict:
+                raise InputError(
+                    f"{ckpt} has {module.in_features} input features, not a multiple of the {scheme.name} block "
+                    f"{scheme.weights.block[1]}; drop --strict to let such layers use {fallback.name}"
+                )
+            targets.append(LinearPlan(local, ckpt, module.out_features, module.in_features, fallback or scheme))
             linear_params.add(f"{local}.weight")
         kept, covered = {}, set()
         for local, param in layer.named_parameters():
@@ -180,8 +187,10 @@ def process_layer(
     on_batch=None,
 ) -> float:
     """Calibrate, quantise and propagate one layer. Returns the layer's relative output error."""
-    needs_stats = any(m.needs_calibration for m in methods)
+    static = [n for n in ctx.targets if ctx.scheme_for(n).static_activations]
+    needs_stats = any(m.needs_calibration for m in methods) or bool(static)
     hooks = [h for m in methods for h in m.attach(ctx)] if needs_stats else []
+    hooks += [_observe_absmax(ctx, n) for n in static]
     _set_calibration_mode(layer, needs_stats)
     with torch.no_grad():
         for j in range(n_batches):
@@ -195,6 +204,11 @@ def process_layer(
         method.apply(ctx)
     if ctx.pending():
         raise RunError(f"layer {ctx.index}: {ctx.pending()[0]} was not quantised by {methods[-1].name}")
+    input_scales = {n: _static_input_scale(ctx, n) for n in static}
+    # The quantised pass simulates activation quantisation as the consumer will run it, so the next layer
+    # calibrates on what deployment computes.
+    hooks = [_simulate_activations(ctx, n, input_scales.get(n)) for n in ctx.targets
+             if ctx.scheme_for(n).input_activations is not None]
     num = den = 0.0
     with torch.no_grad():
         for j in range(n_batches):
@@ -207,7 +221,47 @@ def process_layer(
             outputs[j] = quantized
             if on_batch:
                 on_batch()
+    for h in hooks:
+        h.remove()
+    ctx.input_scales = input_scales
     return math.sqrt(num / den) if den > 0 else 0.0
+
+
+def _observe_absmax(ctx: LayerContext, name: str):
+    def hook(module, args):
+        absmax = args[0].detach().abs().amax().float()
+        prev = ctx.input_absmax.get(name)
+        ctx.input_absmax[name] = absmax if prev is None else torch.maximum(prev, absmax)
+
+    return ctx.targets[name].register_forward_pre_hook(hook)
+
+
+def _static_input_scale(ctx: LayerContext, name: str) -> torch.Tensor:
+    """Static per-tensor activation scale from the calibration absmax (int8: /127.5, fp8 e4m3: /448),
+    rounded to the checkpoint dtype as it will be stored."""
+    acts = ctx.scheme_for(name).input_activations
+    absmax = ctx.input_absmax.get(name)
+    if absmax is None or not torch.isfinite(absmax):
+        raise RunError(f"layer {ctx.index}: no finite calibration statistics for {ctx.checkpoint_names[name]}")
+    half_range = 448.0 if acts.type == "float" else ((1 << acts.num_bits) - 1) / 2
+    scale = (absmax / half_range).reshape(1)
+    scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(ctx.weight_dtype).eps), scale)
+    return scale.to(ctx.weight_dtype)
+
+
+def _simulate_activations(ctx: LayerContext, name: str, input_scale: torch.Tensor | None):
+    from quantkit.runtime.formats import TensorArgs
+    from quantkit.runtime.reference import quantize_activation
+
+    a = ctx.scheme_for(name).input_activations
+    args = TensorArgs(type=a.type, num_bits=a.num_bits, symmetric=True, strategy=a.strategy,
+                      group_size=a.group_size, dynamic=a.dynamic)
+
+    def hook(module, inputs):
+        x = inputs[0]
+        return (quantize_activation(x, args, None if input_scale is None else input_scale.to(x.dtype)),) + inputs[1:]
+
+    return ctx.targets[name].register_forward_pre_hook(hook)
 
 
 def quantize_model(
@@ -239,12 +293,12 @@ def quantize_model(
     except Exception as exc:
         raise InputError(f"cannot load the tokenizer of {handle.path}: {str(exc).splitlines()[0]}") from None
 
-    plans = plan_layers(handle, scheme, q.ignore)
+    plans = plan_layers(handle, scheme, q.ignore, strict=q.strict)
     check_group_divisibility(plans, scheme)
     if not any(p.targets for p in plans):
         raise InputError("nothing to quantise: every linear is ignored")
 
-    needs_stats = any(m.needs_calibration for m in methods)
+    needs_stats = any(m.needs_calibration for m in methods) or scheme.static_activations
     n_samples = c.num_samples if needs_stats else min(c.num_samples, c.error_samples)
     calib = build_token_blocks(tokenizer, c.dataset, n_samples, c.seq_len, c.seed, text_column=c.text_column)
     batch_size = c.batch_size or _auto_batch(c.seq_len)
@@ -261,7 +315,7 @@ def quantize_model(
         specs.append(TensorSpec(name, handle.index.dtype(name), info.shape))
     for p in plans:
         for t in p.targets:
-            specs.extend(quantized_specs(t.checkpoint, t.out_features, t.in_features, scheme, weight_dtype,
+            specs.extend(quantized_specs(t.checkpoint, t.out_features, t.in_features, t.scheme, weight_dtype,
                                          with_g_idx=_writes_g_idx(methods)))
         for ckpt, dtype, shape in p.kept.values():
             specs.append(TensorSpec(ckpt, dtype, shape))
@@ -306,8 +360,13 @@ def quantize_model(
 
     # Config, tokenizer and the rest of the model folder.
     config = json.loads((handle.path / "config.json").read_text())
+    overrides: dict[str, list[str]] = {}
+    for p in plans:
+        for t in p.targets:
+            if t.scheme.name != scheme.name:
+                overrides.setdefault(t.scheme.name, []).append(t.checkpoint)
     config["quantization_config"] = build_quantization_config(
-        scheme, _protected_ignore(handle, plans, q.ignore), actorder=_actorder(methods)
+        scheme, _protected_ignore(handle, plans, q.ignore), actorder=_actorder(methods), overrides=overrides
     )
     (partial / "config.json").write_text(json.dumps(config, indent=2))
     for item in handle.path.iterdir():
@@ -338,6 +397,7 @@ def quantize_model(
         "calibration": calib.describe(),
         "layers": journal.layer_records,
         "events": journal.events,
+        "scheme_overrides": overrides,
     }
     manifest = write_manifest(partial, recipe_used, summary, handle)
     summary["output_bytes"] = manifest["output_bytes"]
@@ -353,7 +413,10 @@ def _writes_g_idx(methods: list[Method]) -> bool:
 
 
 def _actorder(methods: list[Method]) -> str | None:
-    return "group" if _writes_g_idx(methods) else None
+    if _writes_g_idx(methods):
+        return "group"
+    # A method may record how it ordered columns (GPTQ static act-order -> "weight"); the format is unchanged.
+    return next((m.config_actorder for m in methods if getattr(m, "config_actorder", None)), None)
 
 
 def _cleanup_on_disk_full(exc: OSError, partial: Path) -> None:
@@ -397,6 +460,7 @@ def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, de
                 layer=layer,
                 targets={t.local: modules[t.local] for t in plan.targets},
                 scheme=scheme,
+                schemes={t.local: t.scheme for t in plan.targets if t.scheme is not scheme},
                 checkpoint_names={t.local: t.checkpoint for t in plan.targets},
                 weight_dtype=weight_dtype,
             )
@@ -405,7 +469,8 @@ def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, de
             rel = process_layer(layer, ctx, methods, current, nxt, calls, n_batches,
                                 on_batch=lambda: progress.advance(batch_task))
             for t in plan.targets:
-                for name, tensor in pack_quantized(t.checkpoint, ctx.results[t.local], scheme, weight_dtype).items():
+                for name, tensor in pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, weight_dtype,
+                                                   ctx.input_scales.get(t.local)).items():
                     writer.write(name, tensor)
             params = dict(layer.named_parameters())
             for local, (ckpt, dtype, _) in plan.kept.items():

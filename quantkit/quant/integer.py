@@ -15,18 +15,24 @@ import torch
 
 @dataclass(frozen=True)
 class QuantArgs:
+    """How a weight is quantised (the weight half of a compressed-tensors QuantizationArgs)."""
+
     num_bits: int = 4
     symmetric: bool = True
-    strategy: str = "group"  # "tensor" | "channel" | "group"
+    strategy: str = "group"  # "tensor" | "channel" | "group" | "block" (float only)
     group_size: int | None = 128
+    type: str = "int"  # "int" | "float" (fp8 e4m3)
+    block: tuple[int, int] | None = None  # [rows, cols] of a weight block, for strategy "block"
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_bits <= 8:
             raise ValueError(f"num_bits must be in 1..8, got {self.num_bits}")
-        if self.strategy not in ("tensor", "channel", "group"):
+        if self.strategy not in ("tensor", "channel", "group", "block"):
             raise ValueError(f"unknown strategy {self.strategy!r}")
         if self.strategy == "group" and (self.group_size is None or self.group_size <= 0):
             raise ValueError("group strategy needs a positive group_size")
+        if self.strategy == "block" and (self.type != "float" or self.block is None):
+            raise ValueError("block strategy is for float weights and needs a block shape")
 
     @property
     def qmin(self) -> int:

@@ -1,0 +1,74 @@
+"""Peak memory of `quantkit quantize --method rtn` on a model much larger than one layer.
+
+    .venv/bin/python benchmarks/bench_memory_scaling.py [--with-llmcompressor]
+
+Builds (once) a randomly initialised Llama of about 0.7B parameters stored in fp32 (about 2.7 GB of
+safetensors), quantises it to W4A16 g128 and reports peak RSS as a fraction of the model's size on disk.
+The streaming engine holds one decoder layer and the activations, so the fraction falls as models grow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from common import LLMC_PYTHON, ROOT, ratio, run_measured, write_results
+
+CONFIG = dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=12, num_attention_heads=16,
+              num_key_value_heads=16, vocab_size=16000, max_position_embeddings=2048, tie_word_embeddings=False)
+
+
+def build_model(folder: Path) -> Path:
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT))
+    from quantkit.models.source import resolve_model
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).float()
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, max_shard_size="1GB")
+    # Any tokenizer with a vocabulary no larger than the model's works for calibration text.
+    AutoTokenizer.from_pretrained(resolve_model(None).path).save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "memory")
+    ap.add_argument("--with-llmcompressor", action="store_true", help="also run llm-compressor's RTN on it")
+    args = ap.parse_args()
+    model = build_model(args.work / "llama-0.7b-fp32")
+    size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    out = args.work / "quantkit-w4a16"
+    shutil.rmtree(out, ignore_errors=True)
+    qk = run_measured([str(ROOT / ".venv" / "bin" / "quantkit"), "quantize", "--model", str(model), "--method", "rtn",
+                       "--scheme", "W4A16", "--group-size", "128", "--output", str(out), "--json"])
+    rows = [("quantkit", qk)]
+    if args.with_llmcompressor:
+        llmc_out = args.work / "llmc-w4a16"
+        shutil.rmtree(llmc_out, ignore_errors=True)
+        rows.append(("llm-compressor", run_measured([str(LLMC_PYTHON), str(ROOT / "benchmarks" / "llmc_runner.py"),
+                                                     "--model", str(model), "--recipe", "rtn", "--scheme", "W4A16",
+                                                     "--group-size", "128", "--output", str(llmc_out)])))
+    md = ["# Memory scaling: RTN W4A16 g128 on a random 0.7B Llama (fp32)", "",
+          f"model size on disk: {size / 1e9:.2f} GB", "",
+          "| tool | wall (s) | peak RSS (MB) | peak RSS / model size |", "|---|---|---|---|"]
+    md += [f"| {name} | {r['wall_s']:.1f} | {r['peak_rss_bytes'] / 1e6:.0f} | {r['peak_rss_bytes'] / size:.3f} |"
+           for name, r in rows]
+    if len(rows) == 2:
+        md += ["", f"quantkit / llm-compressor peak RSS: {ratio(rows[0][1]['peak_rss_bytes'], rows[1][1]['peak_rss_bytes'])}, "
+                   f"wall: {ratio(rows[0][1]['wall_s'], rows[1][1]['wall_s'])}"]
+    write_results("memory_scaling", {"model_bytes": size, **{n: {**r, "stdout": None, "stderr": None} for n, r in rows}},
+                  "\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Shared benchmark plumbing: run a tool as a child process and measure it; make token files; print ratios."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LLMC_PYTHON = ROOT / "benchmarks" / ".venv-llmc" / "bin" / "python"
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def run_measured(cmd: list[str], env: dict | None = None) -> dict:
+    """Run `cmd` as a child; return wall seconds, its peak RSS (bytes, from wait4's rusage) and its output."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.time()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err,
+                                env={**os.environ, "QUANTKIT_NO_PROGRESS": "1", **(env or {})})
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.time() - start
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        sys.stderr.write(stderr[-4000:])
+        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}")
+    return {"wall_s": round(wall, 2), "peak_rss_bytes": usage.ru_maxrss * 1024, "stdout": stdout, "stderr": stderr}
+
+
+def save_tokens(input_ids, path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"input_ids": input_ids.contiguous()}, str(path))
+    return path
+
+
+def kl_plain(base: Path, candidate: Path, tokens: Path) -> dict:
+    res = run_measured([sys.executable, str(ROOT / "benchmarks" / "kl_plain.py"), "--base", str(base),
+                        "--candidate", str(candidate), "--tokens", str(tokens)])
+    return json.loads(res["stdout"].strip().splitlines()[-1])
+
+
+def write_results(name: str, payload: dict, markdown: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    (RESULTS / f"{name}.md").write_text(markdown)
+    print(markdown)
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}x" if b else "n/a"
