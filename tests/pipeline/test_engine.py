@@ -222,3 +222,42 @@ def test_real_smollm2_w4a16_g64_loads_in_transformers(tmp_path, smollm2_path):
     ids = torch.randint(0, 49152, (1, 48))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+def test_offloaded_activations_give_identical_output(tmp_path, tiny_models):
+    src = tiny_models["qwen2"]
+    quantize_model(_recipe(src), tmp_path / "mem")
+    quantize_model(_recipe(src), tmp_path / "disk", offload_dir=tmp_path / "spill")
+    assert (tmp_path / "mem" / "model.safetensors").read_bytes() == (tmp_path / "disk" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "W8A8_STATIC", "FP8", "FP8_DYNAMIC", "FP8_BLOCK"])
+def test_activation_schemes_load_and_run_in_transformers(tmp_path, scheme):
+    """Every W8A8/FP8 checkpoint must run in transformers + compressed-tensors; FP8_BLOCK layers whose K is not a
+    multiple of 128 (here down_proj, K=320) fall back to FP8_DYNAMIC in their own config group."""
+    from tests.conftest import make_tiny_model
+
+    src = make_tiny_model(tmp_path / "src", "llama", dtype=torch.bfloat16, hidden_size=256, intermediate_size=320)
+    out = tmp_path / scheme
+    summary = quantize_model(_recipe(src, scheme), out)
+    tensors = _tensors(out)
+    q = "model.layers.0.self_attn.q_proj"
+    assert tensors[f"{q}.weight"].dtype == (torch.int8 if scheme.startswith("W8") else torch.float8_e4m3fn)
+    assert (f"{q}.input_scale" in tensors) == (scheme in ("W8A8_STATIC", "FP8"))
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    if scheme == "FP8_BLOCK":
+        assert tensors[f"{q}.weight_scale"].shape == (2, 2)
+        fallback = summary["scheme_overrides"]["FP8_DYNAMIC"]
+        assert fallback == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+        assert config["config_groups"]["group_1"]["targets"] == fallback
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    if scheme == "FP8_BLOCK":
+        assert loaded.get_submodule("model.layers.0.mlp.down_proj").quantization_scheme.weights.strategy == "channel"
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        logits = loaded(ids).logits.float()
+        base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)(ids).logits.float()
+    assert torch.isfinite(logits).all()
+    # 8-bit quantisation is close to the original but not identical to it
+    rel = (logits - base).norm() / base.norm()
+    assert 0 < rel < 0.2, rel
