@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_memory_scaling.py [--with-llmcompressor]
 
-Builds (once) a randomly initialised Llama of about 0.7B parameters stored in fp32 (about 2.7 GB of
+Builds (once) a randomly initialised Llama of about 0.7B parameters stored in fp32 (about 2.8 GB of
 safetensors), quantises it to W4A16 g128 and reports peak RSS as a fraction of the model's size on disk.
 The streaming engine holds one decoder layer and the activations, so the fraction falls as models grow.
 """
@@ -14,10 +14,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from common import LLMC_PYTHON, ROOT, ratio, run_measured, write_results
+from common import LLMC_PYTHON, ROOT, ratio, run_measured, save_tokens, write_results
 
-CONFIG = dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=12, num_attention_heads=16,
-              num_key_value_heads=16, vocab_size=16000, max_position_embeddings=2048, tie_word_embeddings=False)
+# The vocabulary matches the tokenizer borrowed from the embedded model (SmolLM2's 49152 entries).
+CONFIG = dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=10, num_attention_heads=16,
+              num_key_value_heads=16, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=False)
 
 
 def build_model(folder: Path) -> Path:
@@ -34,7 +35,6 @@ def build_model(folder: Path) -> Path:
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, max_shard_size="1GB")
-    # Any tokenizer with a vocabulary no larger than the model's works for calibration text.
     AutoTokenizer.from_pretrained(resolve_model(None).path).save_pretrained(tmp)
     tmp.rename(folder)
     return folder
@@ -53,11 +53,20 @@ def main() -> None:
                        "--scheme", "W4A16", "--group-size", "128", "--output", str(out), "--json"])
     rows = [("quantkit", qk)]
     if args.with_llmcompressor:
+        from transformers import AutoTokenizer
+
+        sys.path.insert(0, str(ROOT))
+        from quantkit.data.calibration import build_token_blocks
+
+        # RTN is data-free in llm-compressor; its runner still takes a token file.
+        tokens = save_tokens(build_token_blocks(AutoTokenizer.from_pretrained(model), "kjv", 8, 512).input_ids,
+                             args.work / "tokens.safetensors")
         llmc_out = args.work / "llmc-w4a16"
         shutil.rmtree(llmc_out, ignore_errors=True)
         rows.append(("llm-compressor", run_measured([str(LLMC_PYTHON), str(ROOT / "benchmarks" / "llmc_runner.py"),
                                                      "--model", str(model), "--recipe", "rtn", "--scheme", "W4A16",
-                                                     "--group-size", "128", "--output", str(llmc_out)])))
+                                                     "--group-size", "128", "--output", str(llmc_out),
+                                                     "--tokens", str(tokens)])))
     md = ["# Memory scaling: RTN W4A16 g128 on a random 0.7B Llama (fp32)", "",
           f"model size on disk: {size / 1e9:.2f} GB", "",
           "| tool | wall (s) | peak RSS (MB) | peak RSS / model size |", "|---|---|---|---|"]

@@ -64,7 +64,7 @@ def _print_json(obj) -> None:
 @app.command()
 def quantize(
     model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file or hub id (default: embedded SmolLM2-135M)."),
-    method: Optional[str] = typer.Option(None, "--method", help="rtn, gptq (compose with +, e.g. smoothquant+gptq)."),
+    method: Optional[str] = typer.Option(None, "--method", help="rtn, gptq, smoothquant (= smoothquant+rtn), fp8 (data-free with FP8_DYNAMIC/FP8_BLOCK); compose with +, e.g. smoothquant+gptq."),
     scheme: Optional[str] = typer.Option(None, "--scheme", help="W4A16, W4A16_ASYM, W8A16, W8A8, W8A8_STATIC, FP8, FP8_DYNAMIC, FP8_BLOCK."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Weights per scale (default 128); -1 = per output channel."),
     ignore: Optional[list[str]] = typer.Option(None, "--ignore", help="Module name or re:pattern to leave unquantised (repeatable)."),
@@ -74,7 +74,7 @@ def quantize(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (default 512)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default 42)."),
     actorder: Optional[str] = typer.Option(None, "--actorder", help="GPTQ column order: static (default), group (writes g_idx) or none."),
-    dampening: Optional[float] = typer.Option(None, "--dampening", help="GPTQ dampening relative to mean diag(H) (default 0.01)."),
+    dampening: Optional[float] = typer.Option(None, "--dampening", help="GPTQ dampening relative to mean diag(H) (default 0.1)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output folder (written atomically)."),
     recipe: Optional[Path] = typer.Option(None, "--recipe", help="YAML recipe; flags override its fields."),
     resume: bool = typer.Option(False, "--resume", help="Continue a killed run from its journal."),
@@ -82,6 +82,8 @@ def quantize(
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Spill calibration activations to this folder."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     strict: bool = typer.Option(False, "--strict", help="Refuse layers that cannot take the scheme instead of falling back."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size you will serve with: warn about linears vLLM could not split."),
+    alpha: Optional[float] = typer.Option(None, "--alpha", help="SmoothQuant migration strength in [0, 1] (default 0.8)."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the checkpoint (off by default)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -100,12 +102,18 @@ def quantize(
         if gptq_flags:
             rec.quantization.options = {**rec.quantization.options,
                                         "gptq": {**rec.quantization.options.get("gptq", {}), **gptq_flags}}
+        if alpha is not None:
+            rec.quantization.options = {**rec.quantization.options,
+                                        "smoothquant": {**rec.quantization.options.get("smoothquant", {}), "alpha": alpha}}
+        if tp is not None and tp < 1:
+            raise QuantkitError(f"--tp must be at least 1, got {tp}")
         rec.override("calibration", dataset=dataset, num_samples=num_samples, seq_len=seq_len, seed=seed,
                      text_column=text_column)
         out = output or (Path(rec.output) if rec.output else None)
         if out is None:
             raise QuantkitError("--output is required (or an `output:` field in the recipe)")
-        summary = quantize_model(rec, out, resume=resume, overwrite=overwrite, offload_dir=offload_dir, device=device)
+        summary = quantize_model(rec, out, resume=resume, overwrite=overwrite, offload_dir=offload_dir, device=device,
+                                 tp=tp)
         if as_json:
             _print_json(summary)
         else:
@@ -115,7 +123,7 @@ def quantize(
                 f"(from {summary['original_bytes'] / 1e6:.1f} MB)  {summary['wall_seconds']:.1f} s  "
                 f"peak RSS {summary['peak_rss_bytes'] / 1e6:.0f} MB"
             )
-            errs = [layer["rel_error"] for layer in summary["layers"]]
+            errs = [layer["rel_error"] for layer in summary["layers"] if layer.get("rel_error") is not None]
             if errs:
                 console.print(f"per-layer relative output error: mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f}")
             for name, modules in summary.get("scheme_overrides", {}).items():
@@ -123,6 +131,11 @@ def quantize(
                               f"multiple of the block): {', '.join(modules[:4])}{' ...' if len(modules) > 4 else ''}")
             for event in summary["events"]:
                 console.print(f"[yellow]warning:[/] layer {event['layer']} {event['module']}: {event['event']}")
+            shards = summary.get("tp_warnings") or []
+            if shards:
+                console.print(f"[yellow]warning:[/] vLLM would refuse {len(shards)} linears at tp={shards[0]['tp']}: "
+                              + "; ".join(f"{w['module']} ({w['problem']})" for w in shards[:4])
+                              + (" ..." if len(shards) > 4 else "") + " (all listed in the manifest)")
 
     _guarded(debug, body)
 

@@ -172,6 +172,11 @@ def build_token_blocks(
 ) -> CalibrationSet:
     if num_samples <= 0 or seq_len <= 1:
         raise InputError("num_samples must be >= 1 and seq_len >= 2")
+    from quantkit.data import self_generated
+
+    if self_generated.is_special(source):
+        return self_generated.build_mixture(tokenizer, source, num_samples, seq_len, seed, split, text_column,
+                                            build_token_blocks)
     docs = load_documents(source, split, text_column)
     bos = tokenizer.bos_token_id if _adds_bos(tokenizer) else None
     body_len = seq_len - (1 if bos is not None else 0)

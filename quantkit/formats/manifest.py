@@ -99,6 +99,8 @@ def write_manifest(folder: Path, recipe, summary: dict, handle) -> dict:
         **stats,
         "layers": summary["layers"],
         "events": summary["events"],
+        "scheme_overrides": summary.get("scheme_overrides", {}),  # linears on a fallback scheme, by name
+        "tp_warnings": summary.get("tp_warnings", []),
         "files": files,
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))

@@ -94,11 +94,30 @@ class PlannedShardWriter:
         spec = slot.spec
         if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
             raise ValueError(f"{name}: planned {spec.dtype}{list(spec.shape)}, got {tensor.dtype}{list(tensor.shape)}")
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        # A byte view of the tensor's own storage: no copy, however large the tensor.
+        data = memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+        self._pwrite(slot, data, 0)
+
+    def write_raw(self, name: str, source: Path, offset: int, nbytes: int, chunk: int = 1 << 26) -> None:
+        """Copy a tensor's bytes from another safetensors file in chunks (never the whole tensor in memory)."""
+        slot = self.slots[name]
+        if nbytes != slot.spec.nbytes:
+            raise ValueError(f"{name}: planned {slot.spec.nbytes} bytes, source has {nbytes}")
+        with open(source, "rb", buffering=0) as fh:
+            done = 0
+            while done < nbytes:
+                fh.seek(offset + done)
+                block = fh.read(min(chunk, nbytes - done))
+                if not block:
+                    raise OSError(5, "source ended early", str(source))
+                self._pwrite(slot, memoryview(block), done)
+                done += len(block)
+
+    def _pwrite(self, slot: _Slot, data: memoryview, at: int) -> None:
         fd = self._fds.get(slot.file)
         if fd is None:
             fd = self._fds[slot.file] = os.open(slot.file, os.O_WRONLY)
-        written = os.pwrite(fd, data, slot.offset)
+        written = os.pwrite(fd, data, slot.offset + at)
         if written != len(data):
             raise OSError(28, "short write (disk full?)", str(slot.file))
 

@@ -40,6 +40,7 @@ class LayerContext:
     schemes: dict[str, Scheme] = field(default_factory=dict)
     input_absmax: dict[str, torch.Tensor] = field(default_factory=dict)  # static-activation observers
     input_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # static input_scale per linear
+    adapter: object = None  # the model's Adapter (smoothing mappings for AWQ / SmoothQuant)
 
     def scheme_for(self, name: str) -> Scheme:
         return self.schemes.get(name, self.scheme)
@@ -66,6 +67,7 @@ class Method:
     name: ClassVar[str] = ""
     needs_calibration: ClassVar[bool] = False
     quantizes: ClassVar[bool] = True  # False for pure transforms (smoothing) that must be followed by a quantiser
+    schemes: ClassVar[tuple[str, ...] | None] = None  # scheme names the method can produce; None = every scheme
 
     def __init__(self, scheme: Scheme, **options):
         self.scheme = scheme

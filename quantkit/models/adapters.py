@@ -81,6 +81,18 @@ _GEMMA2 = (
 _QWEN_MOE_EXPERTS = ExpertLayout("mlp.experts", "gate_proj", "up_proj", "down_proj")
 _ROUTERS = (r"mlp\.gate", r"mlp\.shared_expert_gate")
 _MOE_ATTN = (_ATTN, _VO)
+# MoE: the norm feeds the router and every expert (module names of the unfused layer, `*` = expert index);
+# router columns are scaled with the experts' so routing is unchanged. Names a layer lacks are skipped.
+_EXPERTS = "mlp.experts.experts.*."
+
+
+def _moe_mlp(gate: str, up: str, down: str, shared: tuple[str, ...] = ()) -> tuple[Smoothing, ...]:
+    return (
+        Smoothing("post_attention_layernorm", ("mlp.gate", _EXPERTS + gate, _EXPERTS + up, *shared)),
+        Smoothing(_EXPERTS + up, (_EXPERTS + down,), kind="linear"),
+    )
+
+
 _MLA = (
     Smoothing("input_layernorm", ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
     Smoothing("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
@@ -100,21 +112,31 @@ ADAPTERS: tuple[Adapter, ...] = (
         renames=(("block_sparse_moe.", "mlp."),),
         experts=ExpertLayout("mlp.experts", "w1", "w3", "w2"),
         never_quantize=(r"mlp\.gate",),
-        smoothing=_MOE_ATTN,
+        smoothing=(*_MOE_ATTN, *_moe_mlp("w1", "w3", "w2")),
     ),
     Adapter(
         "qwen2_moe",
         ("qwen2_moe", "qwen3_moe"),
         experts=_QWEN_MOE_EXPERTS,
         never_quantize=_ROUTERS,
-        smoothing=(*_MOE_ATTN, Smoothing("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",), kind="linear")),
+        smoothing=(
+            *_MOE_ATTN,
+            *_moe_mlp("gate_proj", "up_proj", "down_proj",
+                      ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert_gate")),
+            Smoothing("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",), kind="linear"),
+        ),
     ),
     Adapter(
         "deepseek_v3",
         ("deepseek_v3",),
         experts=_QWEN_MOE_EXPERTS,
         never_quantize=(r"mlp\.gate",),
-        smoothing=_MLA,
+        smoothing=(
+            *_MLA,
+            *_MLP,  # first_k_dense_replace layers
+            *_moe_mlp("gate_proj", "up_proj", "down_proj", ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")),
+            Smoothing("mlp.shared_experts.up_proj", ("mlp.shared_experts.down_proj",), kind="linear"),
+        ),
         attention="mla",
         notes="first_k_dense_replace layers use a dense MLP; routed experts elsewhere",
     ),

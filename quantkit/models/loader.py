@@ -104,7 +104,8 @@ class ModelHandle:
                 parent, _, leaf = name.rpartition(".")
                 owner = _get(layer, parent) if parent else layer
                 owner._buffers[leaf] = buf.to(device)
-        return layer.to(dtype).eval()
+        # No autograd: also keeps autocast from caching stale low-precision copies of edited weights.
+        return layer.to(dtype).eval().requires_grad_(False)
 
     def _experts_ckpt_name(self, local: str) -> str:
         """Unfused expert params are named `<module>.experts.<e>.<proj>.weight`; on disk the list level is the module."""
@@ -117,14 +118,20 @@ class ModelHandle:
         """Full checkpoint name of a layer-local module (as it must be written for vLLM)."""
         return self.layer_prefix(i) + self.adapter.to_checkpoint(self._experts_ckpt_name(local_module))
 
-    def materialize_module(self, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
-        """Load a top-level module (embeddings, final norm) in place in the skeleton; returns it."""
+    def materialize_module(self, path: str, dtype: torch.dtype | None = torch.float32, device: str = "cpu",
+                           mapped: bool = False) -> nn.Module:
+        """Load a top-level module (embeddings, final norm) in place in the skeleton; returns it.
+        `mapped` (CPU, dtype None = as stored) leaves the weights memory-mapped instead of read."""
         module = _get(self.skeleton, path)
         for name, param in list(module.named_parameters(recurse=True)):
             full = f"{path}.{name}"
             if full not in self.index and name == "weight" and path.endswith("lm_head"):
                 full = self._tied_embedding_name()
-            tensor = self.index.get(full).to(dtype).to(device)
+            if mapped and dtype is None and device == "cpu":
+                tensor = self.index.mapped(full)
+            else:
+                tensor = self.index.get(full)
+                tensor = tensor.to(dtype or tensor.dtype).to(device)
             parent, _, leaf = name.rpartition(".")
             owner = _get(module, parent) if parent else module
             owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
@@ -166,10 +173,8 @@ def open_model(source: ResolvedModel, trust_remote_code: bool = False) -> ModelH
         raise InputError(f"cannot read config.json of {source.path}: {str(exc).splitlines()[0]}") from None
     qc = getattr(config, "quantization_config", None)
     if qc is not None:
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
-        raise InputError(
-            f"{source.path} is already quantised ({method}); quantise the original unquantised model instead"
-        )
+        check_source_quantization(qc if isinstance(qc, dict) else qc.to_dict(), source.path)
+        del config.quantization_config  # native FP8: the index dequantises, the skeleton is the dense model
     adapter = adapter_for(getattr(config, "model_type", "?"))
     index = SafetensorsIndex(source.path)
     with warnings.catch_warnings():
@@ -180,6 +185,19 @@ def open_model(source: ResolvedModel, trust_remote_code: bool = False) -> ModelH
     # Keep the attention implementation deterministic and dependency-free.
     skeleton.config._attn_implementation = "sdpa"
     return ModelHandle(source, config, adapter, index, skeleton, trust_remote_code)
+
+
+def check_source_quantization(qc: dict | None, path: Path) -> None:
+    """Accept an unquantised source, or a native FP8 one (read dequantised); refuse anything else quantised."""
+    if not qc:
+        return
+    method = qc.get("quant_method", "?")
+    if method == "fp8":
+        return
+    raise InputError(
+        f"{path} is already quantised ({method}); quantising it again would compound the error: "
+        f"start from the original unquantised model (or a native FP8 one)"
+    )
 
 
 def read_config_json(folder: Path) -> dict:

@@ -2,6 +2,11 @@
 
 Only headers are read up front; a tensor is read from its memory-mapped file when asked for, so a layer
 at a time costs only that layer's bytes.
+
+Native FP8 checkpoints (DeepSeek-V3 style: config.json `quantization_config.quant_method == "fp8"`, float8
+`X.weight` with an fp32 `X.weight_scale_inv` per 128x128 block) are presented as the dense model: the
+scale tensors are hidden and each such weight reads as q * scale_inv in the model's dtype, so every
+consumer (quantisation, evaluation) sees an ordinary unquantised checkpoint.
 """
 
 from __future__ import annotations
@@ -55,6 +60,21 @@ def read_header(path: Path) -> dict:
     return header
 
 
+def native_fp8_config(folder: Path) -> tuple[tuple[int, int], torch.dtype] | None:
+    """(weight block, dense dtype) when `folder` holds a native FP8 checkpoint (quant_method "fp8"), else None."""
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+        return None
+    block = tuple(int(b) for b in (qc.get("weight_block_size") or (128, 128)))
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(name, torch.bfloat16)
+    return block, dtype
+
+
 class SafetensorsIndex:
     """Name -> tensor access over every *.safetensors file of a model folder."""
 
@@ -74,6 +94,27 @@ class SafetensorsIndex:
                 if meta["dtype"] not in DTYPES:
                     raise InputError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
                 self.tensors[name] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), stop - start, base + start)
+        self.native_fp8: dict[str, tuple[TensorInfo, TensorInfo]] = {}  # weight -> (fp8 values, scale_inv)
+        native = native_fp8_config(self.folder)
+        if native is not None:
+            self._present_dense(*native)
+
+    def _present_dense(self, block: tuple[int, int], dtype: torch.dtype) -> None:
+        self.fp8_block, self.fp8_dense_dtype = block, dtype
+        for name in [n for n in self.tensors if n.endswith(".weight_scale_inv")]:
+            weight = name[: -len("_scale_inv")]
+            raw = self.tensors.get(weight)
+            if raw is None or not raw.dtype.startswith("F8"):
+                raise InputError(f"{self.folder}: {name} has no float8 weight {weight} to scale")
+            scale = self.tensors.pop(name)
+            expected = tuple(-(-d // b) for d, b in zip(raw.shape, block))
+            if len(raw.shape) != 2 or scale.shape != expected:
+                raise InputError(f"{self.folder}: {name} has shape {list(scale.shape)}, expected {list(expected)} "
+                                 f"for {list(raw.shape)} in {block[0]}x{block[1]} blocks")
+            n = raw.shape[0] * raw.shape[1]
+            self.tensors[weight] = TensorInfo(raw.file, DTYPE_NAMES[dtype], raw.shape,
+                                              n * torch.empty((), dtype=dtype).element_size(), raw.offset)
+            self.native_fp8[weight] = (raw, scale)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -90,6 +131,31 @@ class SafetensorsIndex:
         info = self.tensors.get(name)
         if info is None:
             raise InputError(f"tensor {name} is missing from {self.folder}")
+        if name in self.native_fp8:
+            from quantkit.quant.fp8 import dequantize_fp8, expand_block_scale
+
+            raw, scale = (self._read(name, i) for i in self.native_fp8[name])
+            full = expand_block_scale(scale.float(), tuple(raw.shape), self.fp8_block)
+            return dequantize_fp8(raw, full, self.fp8_dense_dtype)
+        return self._read(name, info)
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """A read-only, memory-mapped view of a stored tensor: only the pages actually touched are read (an
+        embedding lookup of a few thousand ids touches a few MB of a GB-sized table)."""
+        import warnings
+
+        import numpy as np
+
+        info = self.tensors.get(name)
+        if info is None or name in self.native_fp8 or info.nbytes == 0:
+            return self.get(name)
+        raw = np.memmap(info.file, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the array is not writable; we never write it
+            flat = torch.from_numpy(raw)
+        return flat.view(DTYPES[info.dtype]).reshape(info.shape)
+
+    def _read(self, name: str, info: TensorInfo) -> torch.Tensor:
         buf = bytearray(info.nbytes)
         with open(info.file, "rb", buffering=0) as fh:
             fh.seek(info.offset)

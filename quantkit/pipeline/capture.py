@@ -42,7 +42,8 @@ def capture_layer_inputs(
     layers = handle.layers()
     originals = list(layers)
     emb_path = handle.embedding_path()
-    handle.materialize_module(emb_path, dtype=dtype, device=device)
+    # The embedding table stays memory-mapped in its stored dtype: only the rows looked up are read.
+    handle.materialize_module(emb_path, dtype=None if device == "cpu" else dtype, device=device, mapped=True)
     base = handle.base_model()
     hidden: list[torch.Tensor] = []
     per_batch: list[list[tuple]] = []

@@ -186,22 +186,33 @@ def process_layer(
     n_batches: int,
     on_batch=None,
 ) -> float:
-    """Calibrate, quantise and propagate one layer. Returns the layer's relative output error."""
+    """Calibrate, quantise and propagate one layer. Returns the layer's relative output error.
+
+    The first pass gives the reference outputs and the statistics of the first stage of methods. A
+    calibrating transform (SmoothQuant) changes what later methods see, so the methods after it (GPTQ's
+    Hessian, static input scales) get their statistics from another pass over the transformed layer."""
+    check_finite_weights(ctx)
     static = [n for n in ctx.targets if ctx.scheme_for(n).static_activations]
-    needs_stats = any(m.needs_calibration for m in methods) or bool(static)
-    hooks = [h for m in methods for h in m.attach(ctx)] if needs_stats else []
-    hooks += [_observe_absmax(ctx, n) for n in static]
-    _set_calibration_mode(layer, needs_stats)
-    with torch.no_grad():
-        for j in range(n_batches):
-            outputs[j] = run_layer(layer, inputs[j], calls[j][ctx.index])
-            if on_batch:
-                on_batch()
-    for h in hooks:
-        h.remove()
-    _set_calibration_mode(layer, False)
-    for method in methods:
-        method.apply(ctx)
+    stages = method_stages(methods)
+    for k, stage in enumerate(stages):
+        observe = static if k == len(stages) - 1 else []
+        needs_stats = any(m.needs_calibration for m in stage) or bool(observe)
+        if k == 0 or needs_stats:
+            hooks = [h for m in stage for h in m.attach(ctx)] if needs_stats else []
+            hooks += [_observe_absmax(ctx, n) for n in observe]
+            _set_calibration_mode(layer, needs_stats)
+            with torch.no_grad():
+                for j in range(n_batches):
+                    out = run_layer(layer, inputs[j], calls[j][ctx.index])
+                    if k == 0:
+                        outputs[j] = out
+                    if on_batch:
+                        on_batch()
+            for h in hooks:
+                h.remove()
+            _set_calibration_mode(layer, False)
+        for method in stage:
+            method.apply(ctx)
     if ctx.pending():
         raise RunError(f"layer {ctx.index}: {ctx.pending()[0]} was not quantised by {methods[-1].name}")
     input_scales = {n: _static_input_scale(ctx, n) for n in static}
@@ -225,6 +236,29 @@ def process_layer(
         h.remove()
     ctx.input_scales = input_scales
     return math.sqrt(num / den) if den > 0 else 0.0
+
+
+def method_stages(methods: list[Method]) -> list[list[Method]]:
+    """Split the method chain after each calibrating method that is not last: it transforms the layer
+    (smoothing, AWQ scales), and what follows must calibrate on the result."""
+    stages: list[list[Method]] = [[]]
+    for m in methods[:-1]:
+        stages[-1].append(m)
+        if m.needs_calibration:
+            stages.append([])
+    stages[-1].append(methods[-1])
+    return stages
+
+
+def check_finite_weights(ctx: LayerContext) -> None:
+    """FP8 scales come from the absmax, so only inf/NaN weights can leave the e4m3 range: refuse them."""
+    for name, linear in ctx.targets.items():
+        if ctx.scheme_for(name).weights.type == "float" and not torch.isfinite(linear.weight).all():
+            bad = int((~torch.isfinite(linear.weight)).sum())
+            raise InputError(
+                f"{ctx.checkpoint_names.get(name, name)} has {bad} inf/NaN weight(s), which FP8 cannot represent; "
+                f"repair the checkpoint or leave the layer unquantised with --ignore"
+            )
 
 
 def _observe_absmax(ctx: LayerContext, name: str):
@@ -273,12 +307,17 @@ def quantize_model(
     device: str = "auto",
     max_shard_bytes: int | None = None,
     compute_dtype: str = "auto",
+    tp: int | None = None,
 ) -> dict:
     t_start = time.time()
     output = Path(output)
     q, c = recipe.quantization, recipe.calibration
     scheme = get_scheme(q.scheme, q.group_size)
     methods = build_methods(q.method, scheme, q.options)
+    from quantkit.pipeline.stream import stream_quantize, streams
+
+    if streams(methods, scheme):
+        return stream_quantize(recipe, output, scheme, overwrite=overwrite, max_shard_bytes=max_shard_bytes, tp=tp)
     if output.exists() and not overwrite:
         raise InputError(f"output {output} already exists; pass --overwrite to replace it")
     partial = output.with_name(output.name + ".partial")
@@ -297,15 +336,27 @@ def quantize_model(
     check_group_divisibility(plans, scheme)
     if not any(p.targets for p in plans):
         raise InputError("nothing to quantise: every linear is ignored")
+    from quantkit.pipeline.tp import tp_warnings
+
+    shard_warnings = tp_warnings(plans, tp)
 
     needs_stats = any(m.needs_calibration for m in methods) or scheme.static_activations
     n_samples = c.num_samples if needs_stats else min(c.num_samples, c.error_samples)
     calib = build_token_blocks(tokenizer, c.dataset, n_samples, c.seq_len, c.seed, text_column=c.text_column)
+    vocab = getattr(handle.config, "vocab_size", None) or getattr(handle.config.get_text_config(), "vocab_size", None)
+    if vocab is not None and int(calib.input_ids.max()) >= vocab:
+        raise InputError(
+            f"the tokenizer produced token id {int(calib.input_ids.max())} but the model's vocabulary has {vocab} "
+            f"entries; the tokenizer in {handle.path} does not belong to this model"
+        )
     batch_size = c.batch_size or _auto_batch(c.seq_len)
     n_batches = math.ceil(n_samples / batch_size)
     weight_dtype = handle.source_dtype()
     # Calibrate in the model's own dtype (bf16 matmuls are ~9x faster than fp32 on CPUs with AMX, and it
     # is what the model runs in when deployed); statistics are accumulated in fp32 by the methods.
+    # fp32 checkpoints keep fp32 master weights (quantisation sees the exact values) and run their
+    # calibration matmuls under bf16 autocast on CPU, unless float32 compute is asked for.
+    autocast = compute_dtype != "float32" and weight_dtype == torch.float32 and device == "cpu"
     compute_dtype = torch.float32 if compute_dtype == "float32" or weight_dtype == torch.float32 else weight_dtype
 
     # Every output tensor, in order: non-layer tensors as on disk, then each layer.
@@ -351,22 +402,65 @@ def quantize_model(
     spill = Path(offload_dir) if offload_dir else None
     try:
         result = _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, device, writer,
-                             journal, partial, state_dir, spill, weight_dtype, compute_dtype)
+                             journal, partial, state_dir, spill, weight_dtype, compute_dtype, autocast)
     except OSError as exc:
         _cleanup_on_disk_full(exc, partial)
         raise RunError(f"cannot write {partial}: {exc.strerror or exc}") from None
+    except InputError:
+        # The input itself is unusable (e.g. inf weights): a resume would fail the same way.
+        writer.close()
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     writer.close()
     writer.write_index()
 
-    # Config, tokenizer and the rest of the model folder.
-    config = json.loads((handle.path / "config.json").read_text())
+    recipe_used, overrides = write_config_and_extras(handle, plans, scheme, recipe, partial, output,
+                                                     actorder=_actorder(methods))
+    shutil.rmtree(state_dir, ignore_errors=True)
+    Journal.path(partial).unlink(missing_ok=True)
+
+    wall = time.time() - t_start
+    summary = {
+        "output": str(output),
+        "model": resolved.label,
+        "model_path": str(handle.path),
+        "method": "+".join(m.name for m in methods),
+        "scheme": scheme.name,
+        "group_size": scheme.weights.group_size if scheme.weights.strategy == "group" else -1,
+        "device": device,
+        "compute_dtype": str(compute_dtype).replace("torch.", "") + (" (bf16 autocast)" if autocast else ""),
+        "wall_seconds": round(wall, 3),
+        "peak_rss_bytes": _peak_rss(),
+        "original_bytes": handle.index.total_bytes(),
+        "quantized_linears": sum(len(p.targets) for p in plans),
+        "calibration": calib.describe(),
+        "layers": journal.layer_records,
+        "events": journal.events,
+        "scheme_overrides": overrides,
+        "tp_warnings": shard_warnings,
+    }
+    return finish_output(partial, output, recipe_used, summary, handle)
+
+
+def scheme_overrides(plans: list[LayerPlan], scheme: Scheme) -> dict[str, list[str]]:
+    """Scheme name -> checkpoint names of the linears that use it instead of the run's scheme (fallbacks)."""
     overrides: dict[str, list[str]] = {}
     for p in plans:
         for t in p.targets:
             if t.scheme.name != scheme.name:
                 overrides.setdefault(t.scheme.name, []).append(t.checkpoint)
+    return overrides
+
+
+def write_config_and_extras(handle: ModelHandle, plans: list[LayerPlan], scheme: Scheme, recipe: Recipe,
+                            partial: Path, output: Path, actorder: str | None = None) -> tuple[Recipe, dict]:
+    """config.json with its quantization_config, the tokenizer and other non-weight files, recipe.yaml.
+    Returns the recipe as written and the scheme overrides."""
+    q = recipe.quantization
+    config = json.loads((handle.path / "config.json").read_text())
+    overrides = scheme_overrides(plans, scheme)
     config["quantization_config"] = build_quantization_config(
-        scheme, _protected_ignore(handle, plans, q.ignore), actorder=_actorder(methods), overrides=overrides
+        scheme, _protected_ignore(handle, plans, q.ignore), actorder=actorder, overrides=overrides
     )
     (partial / "config.json").write_text(json.dumps(config, indent=2))
     for item in handle.path.iterdir():
@@ -377,28 +471,11 @@ def quantize_model(
     recipe_used = Recipe.from_dict(recipe.to_dict())
     recipe_used.output = str(output)
     (partial / "recipe.yaml").write_text(recipe_used.to_yaml())
-    shutil.rmtree(state_dir, ignore_errors=True)
-    Journal.path(partial).unlink(missing_ok=True)
+    return recipe_used, overrides
 
-    wall = time.time() - t_start
-    summary = {
-        "output": str(output),
-        "model": resolved.label,
-        "model_path": str(handle.path),
-        "method": q.method,
-        "scheme": scheme.name,
-        "group_size": scheme.weights.group_size if scheme.weights.strategy == "group" else -1,
-        "device": device,
-        "compute_dtype": str(compute_dtype).replace("torch.", ""),
-        "wall_seconds": round(wall, 3),
-        "peak_rss_bytes": _peak_rss(),
-        "original_bytes": handle.index.total_bytes(),
-        "quantized_linears": sum(len(p.targets) for p in plans),
-        "calibration": calib.describe(),
-        "layers": journal.layer_records,
-        "events": journal.events,
-        "scheme_overrides": overrides,
-    }
+
+def finish_output(partial: Path, output: Path, recipe_used: Recipe, summary: dict, handle: ModelHandle) -> dict:
+    """Write the manifest (hashes of everything written) and move the finished folder into place."""
     manifest = write_manifest(partial, recipe_used, summary, handle)
     summary["output_bytes"] = manifest["output_bytes"]
     summary["bits_per_weight"] = manifest["bits_per_weight"]
@@ -426,11 +503,15 @@ def _cleanup_on_disk_full(exc: OSError, partial: Path) -> None:
 
 
 def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, device, writer, journal, partial,
-                state_dir, spill, weight_dtype, compute_dtype) -> None:
+                state_dir, spill, weight_dtype, compute_dtype, autocast=False) -> None:
     with progress_bar() as progress:
         if not journal.non_layer_done:
             for name in handle.non_layer_checkpoint_names():
-                writer.write(name, handle.index.get(name))
+                info = handle.index.tensors[name]
+                if name in handle.index.native_fp8:
+                    writer.write(name, handle.index.get(name))
+                else:
+                    writer.write_raw(name, info.file, info.offset, info.nbytes)
             writer.sync()
             journal.non_layer_done = True
             journal.commit(partial)
@@ -463,11 +544,13 @@ def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, de
                 schemes={t.local: t.scheme for t in plan.targets if t.scheme is not scheme},
                 checkpoint_names={t.local: t.checkpoint for t in plan.targets},
                 weight_dtype=weight_dtype,
+                adapter=handle.adapter,
             )
             nxt = ActivationStore(spill / ("b" if current.folder.name == "a" else "a") if spill else None)
             progress.reset(batch_task, total=2 * n_batches, info=f"layer {i}")
-            rel = process_layer(layer, ctx, methods, current, nxt, calls, n_batches,
-                                on_batch=lambda: progress.advance(batch_task))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                rel = process_layer(layer, ctx, methods, current, nxt, calls, n_batches,
+                                    on_batch=lambda: progress.advance(batch_task))
             for t in plan.targets:
                 for name, tensor in pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, weight_dtype,
                                                    ctx.input_scales.get(t.local)).items():

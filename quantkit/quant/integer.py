@@ -164,3 +164,51 @@ def dequantize_weight_args(
     if zero_point is not None and not args.symmetric:
         x = x - zero_point.float()[:, g_idx.long()]
     return (x * col_scale).to(dtype)
+
+
+def round_to_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Round fp32 values to `dtype`'s grid (the dtype scales are stored in), staying in fp32."""
+    return x if dtype is None or dtype == torch.float32 else x.to(dtype).float()
+
+
+def group_qparams(
+    w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None, mse: bool = False, grid: int = 20,
+    max_shrink: float = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (rounded to scale_dtype, returned in fp32) and float zero point of each row of w [R, m].
+
+    With mse, the row's range is shrunk by the factor (from a grid) that minimises its squared rounding
+    error; clipping a few outliers often lowers the error of everything else.
+    """
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    if not mse:
+        scale, zp = compute_qparams(lo, hi, args)
+        return round_to_dtype(scale, scale_dtype), zp.float()
+    best_err = torch.full_like(lo, float("inf"))
+    best_scale = torch.ones_like(lo)
+    best_zp = torch.zeros_like(lo)
+    for k in range(grid + 1):
+        p = 1.0 - max_shrink * k / grid
+        scale, zp = compute_qparams(lo * p, hi * p, args)
+        scale = round_to_dtype(scale, scale_dtype)
+        zpf = zp.float()
+        q = torch.round(w / scale[:, None] + zpf[:, None]).clamp(args.qmin, args.qmax)
+        err = ((q - zpf[:, None]) * scale[:, None] - w).pow(2).sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zp = torch.where(better, zpf, best_zp)
+    return best_scale, best_zp
+
+
+def mse_weight_qparams(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype,
+                       grid: int = 20, max_shrink: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group scale/zero point of a [out, in] weight chosen to minimise each group's squared rounding error
+    (the range shrunk over a grid), shaped like weight_qparams' output."""
+    grouped = group_view(weight.float(), args)
+    out, n_groups, size = grouped.shape
+    scale, zp = group_qparams(grouped.reshape(-1, size), args, scale_dtype, mse=True, grid=grid, max_shrink=max_shrink)
+    scale, zp = scale.reshape(out, n_groups), torch.round(zp).to(torch.int8).reshape(out, n_groups)
+    if args.strategy == "tensor":
+        return scale.reshape(1), zp.reshape(1)
+    return scale, zp

@@ -59,6 +59,14 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, n: int, packed_dim: int = 
     if packed_dim == 0:
         return unpack_int32(packed.t().contiguous(), num_bits, n, 1).t().contiguous()
     rows, n_words = packed.shape
+    if 8 % num_bits == 0 and sys.byteorder == "little":
+        # Fast path: values never straddle a byte, so each byte of the little-endian stream decodes to
+        # 8 // num_bits values through a 256-entry table (an embedding lookup is the fastest gather on CPU).
+        per_byte, mask = 8 // num_bits, (1 << num_bits) - 1
+        codes = torch.arange(256, dtype=torch.int16, device=packed.device)
+        table = torch.stack([((codes >> (k * num_bits)) & mask) - (1 << (num_bits - 1)) for k in range(per_byte)], -1)
+        values = torch.nn.functional.embedding(packed.contiguous().view(torch.uint8).int(), table)
+        return values.reshape(rows, -1)[:, :n].to(torch.int8)
     words = packed.to(torch.int64) & 0xFFFFFFFF
     bit_pos = torch.arange(n, device=packed.device) * num_bits
     lo_word, shift = bit_pos // 32, bit_pos % 32

@@ -1,0 +1,120 @@
+"""GPTQ W4A16 side by side with llm-compressor: wall time, peak RSS, KL and perplexity on held-out text of
+the calibration domain (KJV) and of another domain (Python's reference documentation, `pydoc_data.topics`,
+shipped with CPython: technical English prose with code, nothing like the Bible).
+
+    bash benchmarks/setup_llmcompressor.sh        # once: llm-compressor in its own venv
+    .venv/bin/python benchmarks/bench_gptq.py [--group-size 64] [--calib-samples 64] [--heldout-samples 32]
+    .venv/bin/python benchmarks/bench_gptq.py --skip-llmc --variant self="--dataset kjv:0.5,self:0.5"
+
+Both tools get the same calibration tokens (quantkit builds them from its `kjv` source with the same seed; the
+token file handed to llm-compressor is those exact ids, and the fingerprint in quantkit's manifest is checked
+against it). RTN (quantkit) is the baseline for the other-domain target. Every checkpoint is scored by
+benchmarks/kl_plain.py (plain transformers, fp32) on the same token files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from common import LLMC_PYTHON, ROOT, kl_plain, ratio, run_measured, save_tokens, write_results
+
+
+def pydoc_text(path: Path) -> Path:
+    """Python's language/library reference topics as a .txt file (paragraphs separated by blank lines)."""
+    from pydoc_data.topics import topics
+
+    path.write_text("\n\n".join(topics[k].strip() for k in sorted(topics)), encoding="utf-8")
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--calib-samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--heldout-samples", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--skip-llmc", action="store_true", help="reuse nothing, just leave llm-compressor out")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="extra quantkit GPTQ run: NAME=\"extra quantize flags\" (repeatable)")
+    ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "gptq")
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(ROOT))
+    from transformers import AutoTokenizer
+
+    from quantkit.data.calibration import build_token_blocks
+    from quantkit.models.source import resolve_model
+
+    model = resolve_model(args.model).path
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    tok = AutoTokenizer.from_pretrained(model)
+    calib = build_token_blocks(tok, "kjv", args.calib_samples, args.seq_len, seed=args.seed)
+    calib_file = save_tokens(calib.input_ids, args.work / "calibration.safetensors")
+    evals = {
+        "kjv held-out": build_token_blocks(tok, "kjv", args.heldout_samples, args.seq_len, seed=1234, split="heldout"),
+        "pydoc (other domain)": build_token_blocks(tok, str(pydoc_text(args.work / "pydoc.txt")),
+                                                   args.heldout_samples, args.seq_len, seed=1234),
+    }
+    eval_files = {k: save_tokens(v.input_ids, args.work / f"eval-{i}.safetensors") for i, (k, v) in enumerate(evals.items())}
+
+    quantkit = str(ROOT / ".venv" / "bin" / "quantkit")
+    common = ["quantize", "--model", str(model), "--scheme", "W4A16", "--group-size", str(args.group_size),
+              "--dataset", "kjv", "--num-samples", str(args.calib_samples), "--seq-len", str(args.seq_len),
+              "--seed", str(args.seed), "--json"]
+    runs: dict[str, dict] = {}
+    plan = [("quantkit gptq", ["--method", "gptq"]), ("quantkit rtn", ["--method", "rtn"])]
+    plan += [(f"quantkit gptq {name}", ["--method", "gptq", *shlex.split(flags)])
+             for name, flags in (v.split("=", 1) for v in args.variant)]
+    for name, flags in plan:
+        out = args.work / name.replace(" ", "_")
+        res = run_measured([quantkit, *common, *flags, "--output", str(out)])
+        summary = json.loads(res["stdout"])
+        # RTN is data-free (it only measures errors on a few samples), so only calibrated runs are checked.
+        if "gptq" in flags and "--dataset" not in flags and summary["calibration"]["fingerprint"] != hashlib.sha256(
+                calib.input_ids.numpy().tobytes()).hexdigest():
+            raise SystemExit(f"{name}: calibration tokens differ from the token file")
+        runs[name] = {**res, "out": out, "events": len(summary["events"])}
+    if not args.skip_llmc:
+        out = args.work / "llmcompressor_gptq"
+        res = run_measured([str(LLMC_PYTHON), str(ROOT / "benchmarks" / "llmc_runner.py"), "--model", str(model),
+                            "--recipe", "gptq", "--scheme", "W4A16", "--group-size", str(args.group_size),
+                            "--output", str(out), "--tokens", str(calib_file)])
+        runs["llm-compressor gptq"] = {**res, "out": out}
+    for name, run in runs.items():
+        run["eval"] = {k: kl_plain(model, run["out"], f) for k, f in eval_files.items()}
+
+    names = list(runs)
+    md = [f"# GPTQ W4A16 g{args.group_size} symmetric: quantkit vs llm-compressor", "",
+          f"model `{model.name}`; calibration {args.calib_samples} x {args.seq_len} KJV tokens (identical for both); "
+          f"evaluation {args.heldout_samples} x {args.seq_len} tokens per domain", "",
+          "| metric | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    md.append("| wall time (s) | " + " | ".join(f"{runs[n]['wall_s']:.1f}" for n in names) + " |")
+    md.append("| peak RSS (MB) | " + " | ".join(f"{runs[n]['peak_rss_bytes'] / 1e6:.0f}" for n in names) + " |")
+    for k in evals:
+        base_ppl = runs[names[0]]["eval"][k]["ppl_base"]
+        md.append(f"| KL, {k} | " + " | ".join(f"{runs[n]['eval'][k]['kl_mean']:.4f}" for n in names) + " |")
+        md.append(f"| perplexity, {k} (base {base_ppl:.2f}) | "
+                  + " | ".join(f"{runs[n]['eval'][k]['ppl']:.3f}" for n in names) + " |")
+    qk = runs["quantkit gptq"]
+    if "llm-compressor gptq" in runs:
+        lc = runs["llm-compressor gptq"]
+        md += ["", f"quantkit / llm-compressor: wall {ratio(qk['wall_s'], lc['wall_s'])}, "
+               f"peak RSS {ratio(qk['peak_rss_bytes'], lc['peak_rss_bytes'])}, "
+               f"KJV KL {ratio(qk['eval']['kjv held-out']['kl_mean'], lc['eval']['kjv held-out']['kl_mean'])}"]
+    rtn = runs["quantkit rtn"]["eval"]["pydoc (other domain)"]["kl_mean"]
+    md.append(f"other-domain KL, quantkit gptq / rtn: {ratio(qk['eval']['pydoc (other domain)']['kl_mean'], rtn)}")
+    payload = {n: {k: v for k, v in r.items() if k not in ("stdout", "stderr", "out")} for n, r in runs.items()}
+    write_results(f"gptq_w4a16_g{args.group_size}", payload, "\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()

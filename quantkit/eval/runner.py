@@ -1,0 +1,254 @@
+"""`quantkit eval`: quality (perplexity, KL, top-1 agreement, delta-p), tasks, throughput and gates for
+one or more checkpoints against one baseline, all on quantkit's own runtime."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantkit.errors import InputError, QuantkitError
+from quantkit.eval.baseline import BaselineCache
+from quantkit.eval.metrics import TOKEN_FIELDS, nll_only, perplexity, summarize, token_stats
+from quantkit.formats.manifest import MANIFEST, package_versions, quantized_weight_stats, verify_manifest
+from quantkit.progress import progress_bar
+from quantkit.runtime.model import RuntimeModel, check_model_folder, load_model, read_config, resolve_dtype
+
+
+@dataclass
+class EvalOptions:
+    checkpoints: list[Path]
+    baseline: str | None = None
+    dataset: str = "kjv"
+    num_samples: int = 32
+    seq_len: int = 512
+    seed: int = 42
+    text_column: str | None = None
+    tasks: list[str] = field(default_factory=list)
+    lm_eval_tasks: str | None = None
+    throughput: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    batch_size: int = 4
+    max_kl: float | None = None
+    max_ppl_increase: float | None = None
+    min_top1: float | None = None
+    cache_dir: Path | None = None
+
+
+@dataclass
+class EvalRun:
+    report: dict
+    token_kl: dict[str, torch.Tensor]  # checkpoint label -> per-token KL (for plots)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda given but no CUDA device is available")
+    if device not in ("cpu", "cuda"):
+        raise InputError(f"unknown device {device!r}: use auto, cpu or cuda")
+    return torch.device(device)
+
+
+def check_checkpoint(path: Path) -> Path:
+    path = check_model_folder(path, "checkpoint")
+    if (path / MANIFEST).is_file():
+        bad = verify_manifest(path)
+        if bad:
+            raise QuantkitError(f"checkpoint {path} fails its manifest hashes: {', '.join(bad)}", exit_code=1)
+    return path
+
+
+def default_baseline(checkpoint: Path) -> str | None:
+    """The model a quantkit checkpoint was made from (its manifest), else None (the embedded default)."""
+    manifest = checkpoint / MANIFEST
+    if manifest.is_file():
+        try:
+            src = json.loads(manifest.read_text()).get("source", {}).get("path")
+        except json.JSONDecodeError:
+            return None
+        if src and Path(src).is_dir():
+            return src
+    return None
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception:
+        return None
+
+
+def check_compatible(base_path: Path, base_tok, ckpt: Path) -> None:
+    base_vocab = read_config(base_path).get("vocab_size")
+    ckpt_vocab = read_config(ckpt).get("vocab_size")
+    if base_vocab != ckpt_vocab:
+        raise InputError(f"baseline {base_path} has vocabulary size {base_vocab} but {ckpt} has {ckpt_vocab}")
+    tok = _tokenizer(ckpt)
+    if tok is not None and base_tok is not None and tok.get_vocab() != base_tok.get_vocab():
+        raise InputError(f"baseline {base_path} has a different tokenizer than {ckpt}; evaluate against the model it was made from")
+
+
+def _batches(ids: torch.Tensor, batch_size: int):
+    for s in range(0, ids.shape[0], batch_size):
+        yield s, ids[s : s + batch_size]
+
+
+@torch.inference_mode()
+def _logits(rt: RuntimeModel, batch: torch.Tensor) -> torch.Tensor:
+    return rt(input_ids=batch.to(rt.device), use_cache=False).logits.cpu()
+
+
+def size_figures(folder: Path, dtype: torch.dtype) -> dict:
+    size = sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+    stats = quantized_weight_stats(folder)
+    bits = stats["bits_per_weight"]
+    if bits is None:  # unquantised: every linear weight costs its dtype
+        bits = float(torch.finfo(dtype).bits)
+    return {"size_bytes": size, "bits_per_weight": bits, "model_bits_per_param": stats["model_bits_per_param"]}
+
+
+def _round(obj):
+    """6 significant digits: the JSON and the Markdown print the very same numbers."""
+    if isinstance(obj, float):
+        return obj if not math.isfinite(obj) or obj == 0 else float(f"{obj:.6g}")
+    if isinstance(obj, dict):
+        return {k: _round(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_round(v) for v in obj]
+    return obj
+
+
+def evaluate_gates(results: list[dict], opts: EvalOptions) -> list[dict]:
+    gates = []
+    for r in results:
+        checks = [("max_kl", "kl_mean", opts.max_kl, lambda v, t: v <= t),
+                  ("max_ppl_increase", "ppl_increase_pct", opts.max_ppl_increase, lambda v, t: v <= t),
+                  ("min_top1", "top1_agree", opts.min_top1, lambda v, t: v >= t)]
+        for gate, key, threshold, ok in checks:
+            if threshold is None:
+                continue
+            value = r[key]
+            gates.append({"checkpoint": r["checkpoint"], "gate": gate, "metric": key, "threshold": threshold,
+                          "value": value, "passed": bool(ok(value, threshold))})
+    return gates
+
+
+def validate_options(opts: EvalOptions) -> None:
+    if not opts.checkpoints:
+        raise InputError("give at least one checkpoint folder")
+    if opts.num_samples < 1 or opts.seq_len < 2:
+        raise InputError("--num-samples must be >= 1 and --seq-len >= 2")
+    if opts.min_top1 is not None and not 0 <= opts.min_top1 <= 1:
+        raise InputError("--min-top1 is a fraction between 0 and 1")
+    if opts.max_kl is not None and opts.max_kl < 0:
+        raise InputError("--max-kl must be >= 0")
+    if opts.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise InputError(f"unknown --dtype {opts.dtype!r}: use auto, float32, bfloat16 or float16")
+
+
+def run_eval(opts: EvalOptions) -> EvalRun:
+    from quantkit.data.calibration import build_token_blocks
+    from quantkit.models.source import resolve_model
+
+    validate_options(opts)
+    device = resolve_device(opts.device)
+    checkpoints = [check_checkpoint(Path(c)) for c in opts.checkpoints]
+    # Tasks are read before any model work so a malformed file fails in a second, not after the baseline.
+    from quantkit.eval.tasks import evaluate_task, resolve_tasks
+
+    tasks = resolve_tasks(opts.tasks) if opts.tasks else {}
+    base_src = resolve_model(opts.baseline if opts.baseline else default_baseline(checkpoints[0]))
+    base_path = check_model_folder(base_src.path, "baseline")
+    base_tok = _tokenizer(base_path)
+    if base_tok is None:
+        raise InputError(f"baseline {base_path} has no tokenizer that transformers can load")
+    for ckpt in checkpoints:
+        check_compatible(base_path, base_tok, ckpt)
+    data = build_token_blocks(base_tok, opts.dataset, opts.num_samples, opts.seq_len, opts.seed, split="heldout",
+                              text_column=opts.text_column)
+    ids = data.input_ids
+    n_blocks, seq_len = ids.shape
+    started = time.perf_counter()
+
+    with progress_bar() as progress:
+        dtype = resolve_dtype(base_path, opts.dtype)
+        cache = BaselineCache(base_path, data.fingerprint, dtype, opts.cache_dir)
+        base_cached = cache.complete
+        needs_model = not base_cached or bool(tasks) or bool(opts.lm_eval_tasks) or opts.throughput
+        base = load_model(base_path, dtype, device) if needs_model else None
+        if not base_cached:
+            task = progress.add_task("baseline", total=n_blocks, info=base_src.label)
+
+            def blocks(model):
+                for s, batch in _batches(ids, opts.batch_size):
+                    logits = _logits(model, batch)
+                    for j in range(batch.shape[0]):
+                        yield s + j, logits[j]
+                    progress.advance(task, batch.shape[0])
+
+            cache.write(n_blocks, (seq_len, base.vocab_size), dtype, blocks(base))
+        nll_base = torch.cat([nll_only(cache.read(i)[:-1], ids[i, 1:]) for i in range(n_blocks)])
+        baseline = {"model": base_src.label, "path": str(base_path), "ppl": perplexity(nll_base),
+                    "dtype": str(dtype).replace("torch.", ""), "cached": base_cached, "cache_key": cache.key,
+                    **size_figures(base_path, dtype)}
+        if base is not None:
+            baseline.update(_extras(base, base_tok, tasks, opts, device, evaluate_task))
+        del base
+
+        results, token_kl = [], {}
+        for ckpt in checkpoints:
+            rt = load_model(ckpt, opts.dtype, device)
+            if rt.vocab_size != cache.read(0).shape[-1]:
+                raise InputError(f"{ckpt} produces {rt.vocab_size} logits per token, the baseline {cache.read(0).shape[-1]}")
+            task = progress.add_task("evaluate", total=n_blocks, info=ckpt.name)
+            parts: dict[str, list] = {k: [] for k in TOKEN_FIELDS}
+            for s, batch in _batches(ids, opts.batch_size):
+                logits = _logits(rt, batch)
+                for j in range(batch.shape[0]):
+                    st = token_stats(cache.read(s + j)[:-1], logits[j, :-1], ids[s + j, 1:])
+                    for k, v in st.items():
+                        parts[k].append(v)
+                progress.advance(task, batch.shape[0])
+            stats = {k: torch.cat(v) for k, v in parts.items()}
+            row = {"checkpoint": str(ckpt), **summarize(stats), **size_figures(ckpt, rt.dtype),
+                   "formats": rt.formats}
+            row.update(_extras(rt, base_tok, tasks, opts, device, evaluate_task))
+            results.append(row)
+            token_kl[str(ckpt)] = stats["kl"].float()
+            del rt
+
+    results = _round(results)
+    report = {
+        "results": results,
+        "baseline": _round(baseline),
+        "gates": evaluate_gates(results, opts),
+        "data": {**data.describe(), "tokens_scored": n_blocks * (seq_len - 1)},
+        "device": str(device),
+        "versions": package_versions(),
+        "wall_seconds": round(time.perf_counter() - started, 2),
+    }
+    return EvalRun(report, token_kl)
+
+
+def _extras(rt: RuntimeModel, tokenizer, tasks: dict, opts: EvalOptions, device, evaluate_task) -> dict:
+    out: dict = {}
+    if tasks:
+        out["tasks"] = {name: evaluate_task(rt, tokenizer, items, device) for name, items in tasks.items()}
+    if opts.lm_eval_tasks:
+        from quantkit.eval.lm_eval_adapter import run_lm_eval
+
+        out["lm_eval"] = run_lm_eval(rt, tokenizer, opts.lm_eval_tasks)
+    if opts.throughput:
+        from quantkit.eval.throughput import measure_throughput
+
+        out["throughput"] = measure_throughput(rt, rt.vocab_size, device)
+    return out

@@ -1,0 +1,213 @@
+"""Load a compressed-tensors checkpoint (or a plain HF model) into quantkit's runtime modules.
+
+The transformers skeleton is built from config.json (without its quantization_config) on the meta
+device, so every architecture transformers knows keeps its own attention, norms and rotary code. Fused
+MoE experts become per-expert modules (`UnfusedExperts`); every linear that has quantised tensors on
+disk becomes a `QuantLinear`; everything else is read from the safetensors as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.errors import InputError
+from quantkit.models.adapters import Adapter, adapter_for
+from quantkit.models.experts import unfuse_experts
+from quantkit.models.loader import ModelHandle, _get, _set
+from quantkit.models.safetensors_index import SafetensorsIndex
+from quantkit.models.source import ResolvedModel
+from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS, QuantConfig, parse_quantization_config
+from quantkit.runtime.linear import QuantLinear
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RuntimeModel:
+    model: nn.Module  # a transformers CausalLM with quantkit modules inside
+    path: Path
+    config: object
+    dtype: torch.dtype
+    device: torch.device
+    quant_config: QuantConfig | None = None
+    formats: dict[str, int] = field(default_factory=dict)  # op kind -> number of quantised linears
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+def check_model_folder(path: Path, what: str = "checkpoint") -> Path:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise InputError(f"{what} {path} does not exist")
+    if not path.is_dir():
+        raise InputError(f"{what} {path} is not a model folder")
+    if not (path / "config.json").is_file():
+        raise InputError(f"{what} {path} is not a model: config.json is missing")
+    if not any(path.glob("*.safetensors")):
+        raise InputError(f"{what} {path} is not a model: it has no .safetensors weights")
+    return path
+
+
+def resolve_dtype(path: Path, dtype: torch.dtype | str | None = None) -> torch.dtype:
+    """The compute dtype: `dtype` if given (not "auto"), else the dtype config.json names."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in (None, "auto"):
+        return DTYPES[dtype]
+    cfg = read_config(path)
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    return DTYPES.get(name.replace("torch.", ""), torch.float32)
+
+
+def _generic_adapter(model_type: str) -> Adapter:
+    try:
+        return adapter_for(model_type)
+    except InputError:
+        return Adapter(model_type, (model_type,))  # dense model transformers knows: names map one to one
+
+
+def _skeleton(path: Path, trust_remote_code: bool):
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise InputError(f"cannot read config.json of {path}: {str(exc).splitlines()[0]}") from None
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:
+        del config.quantization_config
+    qc = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with init_empty_weights(include_buffers=False):
+            try:
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
+                                                         attn_implementation="sdpa")
+            except ValueError as exc:
+                raise InputError(f"{path}: {str(exc).splitlines()[0]}") from None
+    return config, qc, model
+
+
+def _checkpoint_name(handle: ModelHandle, module_name: str) -> str:
+    """Full module name in the model -> the name its tensors have on disk."""
+    prefix = handle.adapter.layers_path + "."
+    if module_name.startswith(prefix):
+        i, _, local = module_name[len(prefix):].partition(".")
+        if i.isdigit() and local:
+            return handle.checkpoint_name(int(i), local)
+    return module_name
+
+
+def _unfuse_all_experts(handle: ModelHandle) -> None:
+    layout = handle.adapter.experts
+    if layout is None:
+        return
+    for layer in handle.layers():
+        try:
+            fused = _get(layer, layout.module)
+        except AttributeError:
+            continue
+        if hasattr(fused, "gate_up_proj"):
+            _set(layer, layout.module, unfuse_experts(fused, layout))
+
+
+def _read(index: SafetensorsIndex, name: str, device, dtype=None) -> torch.Tensor:
+    t = index.get(name)
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return t.to(device)
+
+
+@torch.no_grad()
+def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+               trust_remote_code: bool = False) -> RuntimeModel:
+    """Build the runtime model; `dtype` None = the checkpoint's own dtype (what its consumers compute in)."""
+    path = check_model_folder(Path(path))
+    config, qc_raw, model = _skeleton(path, trust_remote_code)
+    if qc_raw and qc_raw.get("quant_method") == "fp8":
+        qc_raw = None  # native FP8 (DeepSeek-V3 style): SafetensorsIndex reads its weights dequantised
+    quant = parse_quantization_config(qc_raw, str(path)) if qc_raw else None
+    dtype = resolve_dtype(path, dtype)
+    device = torch.device(device)
+    index = SafetensorsIndex(path)
+    adapter = _generic_adapter(getattr(config, "model_type", "?"))
+    handle = ModelHandle(ResolvedModel(path, str(path)), config, adapter, index, model)
+    try:
+        handle.layers()
+    except AttributeError:
+        raise InputError(f"{path}: cannot find decoder layers at {adapter.layers_path}") from None
+    _unfuse_all_experts(handle)
+
+    formats: Counter = Counter()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        ckpt = _checkpoint_name(handle, name)
+        if f"{ckpt}.weight_scale" not in index:
+            continue
+        fmt = quant.format_for(ckpt) if quant else None
+        if fmt is None:
+            raise InputError(f"{path}: {ckpt} has quantised tensors but no quantization_config group targets it")
+        tensors = {t: _read(index, f"{ckpt}.{t}", device) for t in (*WEIGHT_TENSORS, *INPUT_TENSORS)
+                   if f"{ckpt}.{t}" in index}
+        if fmt.format == "pack-quantized" and "weight_packed" not in tensors:
+            raise InputError(f"{path}: {ckpt} is pack-quantized but has no weight_packed tensor")
+        if fmt.format != "pack-quantized" and "weight" not in tensors:
+            raise InputError(f"{path}: {ckpt} is {fmt.format} but has no weight tensor")
+        if fmt.input is not None and not fmt.input.dynamic and "input_scale" not in tensors:
+            raise InputError(f"{path}: {ckpt} has static activation quantisation but no input_scale")
+        bias = _read(index, f"{ckpt}.bias", device, dtype) if module.bias is not None else None
+        _set(model, name, QuantLinear(fmt, tensors, module.in_features, module.out_features, bias))
+        formats[fmt.kind] += 1
+
+    # Everything else: parameters and persistent buffers the checkpoint holds, in the compute dtype.
+    for name, param in list(model.named_parameters()):
+        if param.device.type != "meta":
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        ckpt = f"{_checkpoint_name(handle, module_name)}.{leaf}"
+        if ckpt not in index:
+            if model.get_output_embeddings() is _get(model, module_name) and getattr(config, "tie_word_embeddings", False):
+                continue  # tied to the input embedding below
+            raise InputError(f"{path}: tensor {ckpt} is missing from the checkpoint")
+        owner = _get(model, module_name) if module_name else model
+        owner._parameters[leaf] = nn.Parameter(_read(index, ckpt, device, dtype), requires_grad=False)
+    for name, buf in list(model.named_buffers()):
+        module_name, _, leaf = name.rpartition(".")
+        owner = _get(model, module_name) if module_name else model
+        if isinstance(owner, QuantLinear):
+            continue
+        ckpt = f"{_checkpoint_name(handle, module_name)}.{leaf}"
+        if ckpt in index:
+            owner._buffers[leaf] = _read(index, ckpt, device, dtype if buf.is_floating_point() else None)
+        elif buf.device != device:
+            owner._buffers[leaf] = buf.to(device)
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight.device.type == "meta":
+        head.weight = emb.weight
+    leftover = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if leftover:
+        raise InputError(f"{path}: tensors missing from the checkpoint: {', '.join(leftover[:3])}")
+    model.eval()
+    model.config.use_cache = True
+    return RuntimeModel(model, path, config, dtype, device, quant, dict(formats))
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read {path}/config.json: {exc}") from None

@@ -1,0 +1,119 @@
+"""The runtime's logits against transformers + compressed-tensors loading the same checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+from quantkit.errors import InputError
+from quantkit.runtime import load_model
+from quantkit.runtime.linear import QuantLinear
+from tests.runtime.ct_fixtures import build_ct_checkpoint, ct_cases, make_base
+
+
+def _transformers_logits(path, ids, dequantize=False):
+    kwargs = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if dequantize else {}
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def _runtime_logits(path, ids):
+    rt = load_model(path)
+    with torch.no_grad():
+        return rt(input_ids=ids).logits.float(), rt
+
+
+@pytest.fixture(scope="module")
+def ct_bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ct")
+    return root, {64: make_base(root / "base64", 64), 256: make_base(root / "base256", 256)}
+
+
+@pytest.mark.parametrize("case", list(ct_cases()))
+def test_compressed_tensors_formats_match_transformers_bitwise(ct_bases, case):
+    root, bases = ct_bases
+    scheme, static = ct_cases()[case]
+    base = bases[256 if case == "fp8_block" else 64]
+    path = build_ct_checkpoint(base, root / case, scheme, static_input=static)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    # Asymmetric pack-quantized only loads in transformers through its dequantize=True path.
+    ref = _transformers_logits(path, ids, dequantize="asym" in case)
+    got, rt = _runtime_logits(path, ids)
+    assert sum(rt.formats.values()) == 14  # 2 layers x 7 linears, lm_head ignored
+    assert torch.equal(got, ref), f"max diff {(got - ref).abs().max().item()}"
+
+
+def _quantize(model_dir, out, scheme, group_size):
+    from quantkit.pipeline.engine import quantize_model
+    from quantkit.recipe import Recipe
+
+    r = Recipe()
+    r.model.source = str(model_dir)
+    r.quantization.scheme, r.quantization.group_size = scheme, group_size
+    r.calibration.num_samples, r.calibration.seq_len = 2, 16
+    quantize_model(r, out)
+    return out
+
+
+DENSE = ["llama", "qwen2", "qwen3", "gemma", "mistral"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+
+
+CASES = [(f, "W4A16", 32) for f in DENSE + MOE] + [(f, "W4A16_ASYM", 32) for f in ("llama", "qwen2", "gemma")] + [
+    (f, "W8A16", -1) for f in ("llama", "qwen3", "mixtral")]
+
+
+@pytest.mark.parametrize("family,scheme,group", CASES)
+def test_quantkit_checkpoints_match_transformers(tiny_models, tmp_path, family, scheme, group):
+    path = _quantize(tiny_models[family], tmp_path / "q", scheme, group)
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    got, rt = _runtime_logits(path, ids)
+    assert any(isinstance(m, QuantLinear) for m in rt.model.modules())
+    ref = _transformers_logits(path, ids, dequantize=scheme.endswith("ASYM"))
+    if family in MOE:
+        # Per-expert gate/up matmuls instead of one fused gate_up matmul: same math, fp32 rounding order differs.
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.equal(got, ref), f"max diff {(got - ref).abs().max().item()}"
+
+
+def test_plain_model_matches_transformers(tiny_models):
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(2))
+    for family in ("llama", "qwen2_moe"):
+        got, rt = _runtime_logits(tiny_models[family], ids)
+        assert rt.formats == {}
+        ref = _transformers_logits(tiny_models[family], ids)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_real_model_rtn_checkpoint_matches_transformers(smollm2_path, tmp_path):
+    path = _quantize(smollm2_path, tmp_path / "q", "W4A16", 64)
+    ids = torch.randint(0, 49152, (1, 48), generator=torch.Generator().manual_seed(3))
+    got, rt = _runtime_logits(path, ids)
+    assert rt.formats == {"w4a16": 210}
+    assert torch.equal(got, _transformers_logits(path, ids))
+
+
+def test_bad_folders_are_one_line_errors(tmp_path, tiny_models):
+    with pytest.raises(InputError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="config.json is missing"):
+        load_model(tmp_path / "empty")
+    import json, shutil
+
+    bad = tmp_path / "gptq"
+    shutil.copytree(tiny_models["llama"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "marlin-24",
+                                  "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4}}}}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="marlin-24.*does not know"):
+        load_model(bad)
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="gptq"):
+        load_model(bad)
