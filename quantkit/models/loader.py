@@ -88,22 +88,22 @@ class ModelHandle:
     def materialize_layer(self, i: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
         """A real copy of decoder layer i (experts unfused), weights read from disk and cast to `dtype`."""
         meta_layer = self.layers()[i]
-        layer = self.meta_layer(i).to_empty(device=device)
+        layer = self.meta_layer(i)
         prefix = self.layer_prefix(i)
-        state = {}
-        for name, _ in layer.named_parameters():
+        # Each parameter is swapped in as it is read (no empty copy of the whole layer first): peak is one
+        # layer, not two.
+        for name, _ in list(layer.named_parameters()):
             ckpt = prefix + self.adapter.to_checkpoint(self._experts_ckpt_name(name))
-            state[name] = self.index.get(ckpt).to(dtype)
-        missing = [n for n, _ in layer.named_parameters() if n not in state]
-        if missing:
-            raise InputError(f"layer {i}: tensors missing in checkpoint: {missing[:3]}")
-        layer.load_state_dict(state, strict=False, assign=True)
-        # Buffers (if any) were copied from the skeleton, where they are real.
-        for name, buf in meta_layer.named_buffers():
-            if buf.device.type != "meta":
-                parent, _, leaf = name.rpartition(".")
-                owner = _get(layer, parent) if parent else layer
-                owner._buffers[leaf] = buf.to(device)
+            tensor = self.index.get(ckpt).to(dtype).to(device)
+            parent, _, leaf = name.rpartition(".")
+            owner = _get(layer, parent) if parent else layer
+            owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        for name, buf in list(layer.named_buffers()):
+            parent, _, leaf = name.rpartition(".")
+            owner = _get(layer, parent) if parent else layer
+            if buf.device.type == "meta":
+                raise InputError(f"layer {i}: buffer {name} has no value (not in the checkpoint)")
+            owner._buffers[leaf] = buf.to(device)
         # No autograd: also keeps autocast from caching stale low-precision copies of edited weights.
         return layer.to(dtype).eval().requires_grad_(False)
 

@@ -1,0 +1,104 @@
+"""AWQ W4A16 side by side with llm-compressor's AWQ: wall time, peak RSS, held-out KL and perplexity.
+
+    bash benchmarks/setup_llmcompressor.sh        # once: llm-compressor in its own venv
+    .venv/bin/python benchmarks/bench_awq.py [--group-size 64] [--scheme W4A16] [--reuse-llmc]
+
+Both tools quantise the same model (the embedded SmolLM2-135M by default) from the same 64 x 512 KJV
+calibration tokens: quantkit's `kjv` source with seed 42 builds them (build_token_blocks), and the same
+blocks are saved to a file that llm-compressor reads through `--tokens`. Both checkpoints are scored by
+benchmarks/kl_plain.py (plain transformers) on the same held-out KJV tokens. quantkit's RTN is scored too,
+as the floor both AWQs should beat.
+
+llm-compressor 0.14's AWQ pins its cached activations in accelerator memory and fails on a CPU-only
+machine ("Cannot access accelerator device"); benchmarks/llmc_runner.py replaces that pinning call with a
+no-op when no accelerator exists (pinning only speeds host-to-device copies) and says so on stderr.
+--reuse-llmc takes llm-compressor's result from an earlier run of this script (its run takes long on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from common import LLMC_PYTHON, ROOT, kl_plain, ratio, run_measured, save_tokens, write_results
+
+
+def _load() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--scheme", default="W4A16", help="W4A16 (llm-compressor's preset) or W4A16_ASYM")
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--num-samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--heldout-samples", type=int, default=32)
+    ap.add_argument("--reuse-llmc", action="store_true", help="reuse llm-compressor's checkpoint and timing from --work")
+    ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "awq")
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(ROOT))
+    from transformers import AutoTokenizer
+
+    from quantkit.data.calibration import build_token_blocks
+    from quantkit.models.source import resolve_model
+
+    model = resolve_model(args.model).path
+    args.work.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(model)
+    calib = build_token_blocks(tok, "kjv", args.num_samples, args.seq_len, seed=42)
+    calib_file = save_tokens(calib.input_ids, args.work / "calibration.safetensors")
+    heldout = build_token_blocks(tok, "kjv", args.heldout_samples, args.seq_len, seed=1234, split="heldout")
+    tokens = save_tokens(heldout.input_ids, args.work / "heldout.safetensors")
+
+    quantkit = str(ROOT / ".venv" / "bin" / "quantkit")
+    common = ["--model", str(model), "--scheme", args.scheme, "--group-size", str(args.group_size), "--dataset", "kjv",
+              "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--seed", "42", "--overwrite", "--json"]
+    loads = {"before": _load()}
+    qk = run_measured([quantkit, "quantize", "--method", "awq", "--output", str(args.work / "quantkit"), *common])
+    loads["after_quantkit"] = _load()
+    rtn = run_measured([quantkit, "quantize", "--method", "rtn", "--output", str(args.work / "quantkit-rtn"), *common])
+    llmc_json = args.work / "llmc_result.json"
+    if args.reuse_llmc and llmc_json.exists():
+        llmc = json.loads(llmc_json.read_text())
+    else:
+        llmc = run_measured([str(LLMC_PYTHON), str(ROOT / "benchmarks" / "llmc_runner.py"), "--model", str(model),
+                             "--recipe", "awq", "--scheme", args.scheme, "--group-size", str(args.group_size),
+                             "--output", str(args.work / "llmcompressor"), "--tokens", str(calib_file)])
+        llmc["load_note"] = f"1-min load average after the run: {_load()}"
+        llmc_json.write_text(json.dumps(llmc, indent=2))
+    loads["after_llmc"] = _load()
+    kl_qk = kl_plain(model, args.work / "quantkit", tokens)
+    kl_rtn = kl_plain(model, args.work / "quantkit-rtn", tokens)
+    kl_llmc = kl_plain(model, args.work / "llmcompressor", tokens)
+
+    rows = [("wall time (s)", qk["wall_s"], llmc["wall_s"]),
+            ("peak RSS (MB)", qk["peak_rss_bytes"] / 1e6, llmc["peak_rss_bytes"] / 1e6),
+            ("held-out KL", kl_qk["kl_mean"], kl_llmc["kl_mean"]),
+            ("held-out perplexity", kl_qk["ppl"], kl_llmc["ppl"]),
+            ("top-1 agreement", kl_qk["top1_agree"], kl_llmc["top1_agree"])]
+    md = [f"# AWQ {args.scheme} g{args.group_size}: quantkit vs llm-compressor", "",
+          f"model `{model.name}`, calibration KJV {args.num_samples} x {args.seq_len} tokens (seed 42, same blocks "
+          f"for both), held-out KJV {args.heldout_samples} x {args.seq_len} tokens, base perplexity "
+          f"{kl_qk['ppl_base']:.3f}. llm-compressor ran with its accelerator memory pinning disabled (no GPU here).",
+          f"1-min load average: {loads} (shared machine; wall times are only comparable within one run).", "",
+          "| metric | quantkit awq | llm-compressor awq | quantkit / llm-compressor |", "|---|---|---|---|"]
+    md += [f"| {name} | {a:.4f} | {b:.4f} | {ratio(a, b)} |" for name, a, b in rows]
+    md += ["", f"quantkit RTN (same scheme): held-out KL {kl_rtn['kl_mean']:.4f}, perplexity {kl_rtn['ppl']:.4f}, "
+               f"wall {rtn['wall_s']:.1f} s."]
+    write_results(f"awq_{args.scheme.lower()}_g{args.group_size}",
+                  {"quantkit": {**qk, "stdout": None, "stderr": None, "kl": kl_qk},
+                   "quantkit_rtn": {**rtn, "stdout": None, "stderr": None, "kl": kl_rtn},
+                   "llmcompressor": {**llmc, "stdout": None, "stderr": None, "kl": kl_llmc}, "load": loads},
+                  "\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()

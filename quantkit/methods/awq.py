@@ -1,0 +1,553 @@
+"""AWQ: activation-aware weight quantisation (Lin et al., 2023) with AutoAWQ's scale and clip searches.
+
+Per decoder layer, for every smoothing mapping of the architecture (a norm or linear feeding a group of
+linears; MoE: the norm feeding the router, every expert and the shared expert; DeepSeek-V3 MLA: the
+input, q_a and kv_a norms):
+
+1. Scale search. s = mean|x|^a / mean|w|^(1-a) (x: the group's calibration inputs; w: the group's weights,
+   each normalised by its quantisation group's absmax), divided by sqrt(max(s) * min(s)); a over a grid of
+   20 values, plus s = 1. The loss is the MSE of the block's output with the group's weights replaced by
+   Q(W * s) / s against the original output. The block is the smallest module holding all of the group's
+   linears (self_attn for q/k/v, mlp for gate/up and for a MoE block, whose routing the loss so includes),
+   run on a sample of whole calibration batches (`search_tokens`) with the keyword arguments the layer
+   really received; a group of one linear (v -> o, up -> down, the MLA norms) is its own block, and its
+   loss sum ||(W - Wq) x||^2 is evaluated over all calibration tokens from the Hessian H = sum x x^T.
+2. The chosen s is folded into the source (norm weight / s; Gemma: (1 + w) / s - 1; a linear's output
+   rows and bias / s) and the targets' columns (* s); routers reading the same tensor get their columns
+   scaled too, so routing is unchanged. v -> o under grouped-query attention: s lives on v's channels
+   and is repeated over the query heads of each group. A norm weight is stored in the checkpoint dtype, so
+   the targets are multiplied by the scale the rounded norm weight really applies (w / bf16(w / s)): the
+   fold is exact apart from that rounding of the norm weight itself. The checkpoint is a plain W4A16
+   model with no extra ops.
+3. Clip search (AutoAWQ's): for each output row and quantisation group, the group's range [min, max] is
+   shrunk by p in 1, 0.95, ..., 0.55, keeping the p with the smallest error of the group's partial
+   outputs sum_tokens (x_g . (w_g - q_g))^2. AutoAWQ measures it on 512 sampled tokens; here it is
+   d_g^T H_gg d_g with the block-diagonal of the (scaled) Hessian, i.e. over every calibration token, at
+   less cost. Skipped for query/key projections, whose error goes through the softmax (`clip_skip`).
+4. Quantisation with those ranges (scales rounded to the checkpoint dtype first, as stored).
+
+With a later quantiser (`awq+gptq`) AWQ only scales and folds; the engine then collects GPTQ's Hessian in
+a second pass over the scaled layer. Statistics come from one calibration pass per layer, in which every
+MoE expert sees every token; the reference outputs of each block are computed once.
+
+A group of linears that reads a norm's output but has no mapping in the adapter gets a derived mapping
+(norm -> those linears) when the norm is checked to be multiplicative (output scales with its weight);
+otherwise it is quantised without scaling, and both cases are reported in the manifest. NaN/Inf
+statistics are reported and the affected batches or mappings skipped; they never reach the checkpoint.
+
+Options (recipe `quantization.options.awq`):
+  n_grid         scale-search grid size (default 20)
+  duo_scaling    true (default): s = x^a / w^(1-a); false: s = x^a
+  search_tokens  calibration tokens (whole batches) the block losses run on (default 4096)
+  loss           "block" (default) or "linear" (every group scored by its linears' outputs via H)
+  clip           true (default): AutoAWQ's clip search; false: plain min/max ranges
+  clip_grid, clip_max_shrink   shrink grid (default 20, 0.5: p = 1 - k/20 for k < 10)
+  clip_skip      regexes of layer-local names excluded from the clip search (default q/k projections)
+  derive         derive norm -> linears mappings the adapter lacks (default true)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import nn
+
+from quantkit.errors import InputError
+from quantkit.methods.base import LayerContext, Method, QuantizedWeight
+from quantkit.quant import QuantArgs, compute_qparams, group_view, quantize_weight
+from quantkit.quant.smoothing import ResolvedSmoothing, expand_gqa, resolve_mappings
+
+CLIP_SKIP = (r"(.*\.)?(q_proj|k_proj|q_a_proj|q_b_proj|query|key|Wqkv|qkv_proj)",)
+
+
+@dataclass(frozen=True)
+class AWQConfig:
+    n_grid: int = 20
+    duo_scaling: bool = True
+    search_tokens: int = 4096
+    loss: str = "block"
+    clip: bool = True
+    clip_grid: int = 20
+    clip_max_shrink: float = 0.5
+    clip_skip: tuple[str, ...] = CLIP_SKIP
+    derive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_grid < 1 or self.clip_grid < 1:
+            raise InputError("awq n_grid and clip_grid must be positive")
+        if self.loss not in ("block", "linear"):
+            raise InputError(f"awq loss must be 'block' or 'linear', got {self.loss!r}")
+        if not 0 <= self.clip_max_shrink < 1:
+            raise InputError(f"awq clip_max_shrink must be in [0, 1), got {self.clip_max_shrink}")
+        if self.search_tokens < 1:
+            raise InputError("awq search_tokens must be positive")
+
+    @classmethod
+    def from_options(cls, options: dict) -> "AWQConfig":
+        known = {f.name for f in fields(cls)}
+        bad = set(options) - known
+        if bad:
+            raise InputError(f"unknown awq option(s): {', '.join(sorted(bad))}; valid: {', '.join(sorted(known))}")
+        opts = dict(options)
+        if "clip_skip" in opts:
+            opts["clip_skip"] = tuple(opts["clip_skip"] or ())
+        return cls(**opts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure numerics
+# ---------------------------------------------------------------------------------------------------------
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if dtype == torch.float32 else x.to(dtype).float()
+
+
+def fake_quant(w: torch.Tensor, args: QuantArgs, dtype: torch.dtype) -> torch.Tensor:
+    """Round-to-nearest quantise-dequantise of fp32 w [out, in] as the checkpoint stores it (scale rounded to
+    `dtype`, the dequantised value rounded to `dtype` as a consumer computes it). Returns fp32."""
+    g = group_view(w, args)
+    scale, zp = compute_qparams(g.amin(-1), g.amax(-1), args)
+    scale = round_to(scale, dtype)[..., None]
+    zpf = zp.float()[..., None]
+    q = torch.round(g / scale + zpf).clamp_(args.qmin, args.qmax)
+    return round_to((q - zpf) * scale, dtype).reshape(w.shape)
+
+
+def weight_mean(weights: list[torch.Tensor], args: QuantArgs) -> torch.Tensor:
+    """Per input column: mean over all rows of |w| / (absmax of w's quantisation group)."""
+    rows = []
+    for w in weights:
+        g = group_view(w.float().abs(), args)
+        rows.append((g / (g.amax(-1, keepdim=True) + 1e-6)).reshape(w.shape))
+    return torch.cat(rows).mean(0)
+
+
+def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, n_grid: int) -> list[tuple[float, torch.Tensor]]:
+    """(a, s) for a = 0, 1/n, ..., (n-1)/n: s = x^a / w^(1-a) (w None: x^a), normalised so that
+    max(s) * min(s) = 1; plus (-1, ones) = no scaling."""
+    out = [(-1.0, torch.ones_like(x_mean))]
+    for k in range(n_grid):
+        a = k / n_grid
+        s = x_mean.pow(a)
+        if w_mean is not None:
+            s = s / (w_mean.pow(1 - a) + 1e-4)
+        s = s.clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        if torch.isfinite(s).all():
+            out.append((a, s))
+    return out
+
+
+def hessian_loss(weight: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> float:
+    """sum over tokens ||(W - Wq) x||^2 from H = sum x x^T."""
+    d = weight - approx
+    return float(((d @ h) * d).sum())
+
+
+def group_hessians(h: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """The diagonal blocks of H [n, n] that one quantisation group sees: [n_groups, gs, gs]."""
+    n = h.shape[0]
+    if args.strategy != "group":
+        return h[None]
+    gs = args.group_size
+    ng = n // gs
+    return h.reshape(ng, gs, ng, gs).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+
+
+def clip_search(w: torch.Tensor, h: torch.Tensor, args: QuantArgs, dtype: torch.dtype, grid: int = 20,
+                max_shrink: float = 0.5, row_block: int = 256) -> torch.Tensor:
+    """The shrink factor p [out, n_groups] of each group's range [min, max] minimising the error of the
+    group's partial outputs, d_g^T H_gg d_g with d = w - Q(w) (AutoAWQ's clip search, over H's tokens)."""
+    g_all = group_view(w, args)  # [out, ng, gs]
+    hg = group_hessians(h, args)  # [ng, gs, gs]
+    steps = [1.0 - k / grid for k in range(max(1, int(max_shrink * grid)))]
+    best_p = torch.ones(g_all.shape[:2], device=w.device)
+    for r0 in range(0, g_all.shape[0], row_block):
+        g = g_all[r0 : r0 + row_block]
+        lo, hi = g.amin(-1), g.amax(-1)
+        best = torch.full(g.shape[:2], float("inf"), device=w.device)
+        for p in steps:
+            scale, zp = compute_qparams(lo * p, hi * p, args)
+            scale = round_to(scale, dtype)[..., None]
+            zpf = zp.float()[..., None]
+            q = torch.round(g / scale + zpf).clamp_(args.qmin, args.qmax)
+            d = (g - round_to((q - zpf) * scale, dtype)).transpose(0, 1)  # [ng, rows, gs]
+            err = ((d @ hg) * d).sum(-1).transpose(0, 1)
+            better = err < best
+            best = torch.where(better, err, best)
+            best_p[r0 : r0 + row_block] = torch.where(better, p, best_p[r0 : r0 + row_block])
+    return best_p
+
+
+def quantize_clipped(w: torch.Tensor, p: torch.Tensor | None, args: QuantArgs, dtype: torch.dtype):
+    """(q, scale, zp) of w with each group's range shrunk by p (None: plain min/max)."""
+    g = group_view(w, args)
+    lo, hi = g.amin(-1), g.amax(-1)
+    if p is not None:
+        lo, hi = lo * p, hi * p
+    scale, zp = compute_qparams(lo, hi, args)
+    if args.strategy == "tensor":
+        scale, zp = scale.reshape(1), zp.reshape(1)
+    return quantize_weight(w, args, scale=scale, zero_point=zp, scale_dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Calibration statistics
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _InputStats:
+    """Statistics of one distinct input tensor (shared by every linear that reads it)."""
+
+    abs_sum: torch.Tensor | None = None
+    h: torch.Tensor | None = None
+    tokens: int = 0
+    bad_batches: int = 0
+    source: str | None = None  # the norm-like module whose output this is (derived mappings)
+
+    def add(self, x: torch.Tensor, with_h: bool) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        a = x2.abs().float().sum(0)
+        if with_h:
+            xm = x2 if x2.dtype in (torch.bfloat16, torch.float16, torch.float32) else x2.float()
+            xtx = (xm.t() @ xm).float()
+        if not torch.isfinite(a).all() or (with_h and not torch.isfinite(xtx).all()):
+            self.bad_batches += 1
+            return
+        self.abs_sum = a if self.abs_sum is None else self.abs_sum + a
+        if with_h:
+            self.h = xtx if self.h is None else self.h.add_(xtx)
+        self.tokens += x2.shape[0]
+
+    def mean_abs(self) -> torch.Tensor | None:
+        return None if self.abs_sum is None or not self.tokens else self.abs_sum / self.tokens
+
+
+@dataclass
+class _Mapping:
+    m: ResolvedSmoothing
+    derived: bool = False
+    parent: str | None = None  # module that is the block for the loss (None: linear loss via H)
+    samples: list = field(default_factory=list)  # (args, kwargs) of `parent` for the sampled batches
+    sampled: int = 0  # tokens in `samples`
+
+
+class AWQ(Method):
+    name = "awq"
+    needs_calibration = True
+    schemes = ("W4A16", "W4A16_ASYM", "W8A16")
+
+    def __init__(self, scheme, **options):
+        super().__init__(scheme, **options)
+        self.config = AWQConfig.from_options(options)
+        if scheme.weights.type != "int" or scheme.weights.strategy not in ("group", "channel"):
+            raise InputError(f"awq makes integer weights with group or channel scales, not {scheme.name}")
+        self.only_transform = False
+        self.report: list[dict] = []
+        self._reset()
+
+    def transform_only(self) -> None:
+        """A later method quantises (awq+gptq): scale and fold only."""
+        self.only_transform = True
+        self.quantizes = False
+
+    def _reset(self) -> None:
+        self._stats: dict[str, _InputStats] = {}
+        self._leader: dict[str, str] = {}
+        self._recent: list[tuple[torch.Tensor, str]] = []
+        self._norm_outputs: list[tuple[torch.Tensor, str]] = []
+        self._mappings: list[_Mapping] = []
+
+    # ----- calibration --------------------------------------------------------------------------------
+
+    def attach(self, ctx: LayerContext) -> list:
+        self._reset()
+        cfg = self.config
+        modules = dict(ctx.layer.named_modules())
+        resolved = resolve_mappings(ctx.layer, ctx.adapter.smoothing if ctx.adapter is not None else ())
+        self._mappings = []
+        for m in resolved:
+            quantised = [t for t in m.targets if t in ctx.targets]
+            # Targets left unquantised (routers, --ignore'd linears) are still scaled, so the fold stays exact.
+            if quantised:
+                self._mappings.append(_Mapping(m, parent=self._block_of(m, modules)))
+        hooks = []
+        for name, linear in ctx.targets.items():
+            hooks.append(linear.register_forward_pre_hook(self._input_hook(name)))
+        for mp in self._mappings:
+            if mp.parent is not None:
+                hooks.append(modules[mp.parent].register_forward_pre_hook(self._sample_hook(mp), with_kwargs=True))
+        if cfg.derive:
+            for name, mod in modules.items():
+                w = getattr(mod, "weight", None)
+                if (name and not list(mod.children()) and isinstance(w, torch.Tensor) and w.dim() == 1
+                        and not isinstance(mod, nn.Linear)):
+                    hooks.append(mod.register_forward_hook(self._norm_hook(name)))
+        return hooks
+
+    def _block_of(self, m: ResolvedSmoothing, modules: dict) -> str | None:
+        if self.config.loss == "linear" or len(m.targets) < 2:
+            return None
+        parts = [t.split(".") for t in m.targets]
+        prefix = []
+        for level in zip(*parts):
+            if len(set(level)) != 1:
+                break
+            prefix.append(level[0])
+        name = ".".join(prefix)
+        return name if name and name in modules else None
+
+    def _input_hook(self, name: str):
+        def hook(module, args):
+            x = args[0]
+            leader = self._leader.get(name)
+            if leader is None:
+                leader = next((lead for t, lead in self._recent if t is x), name)
+                self._leader[name] = leader
+                if leader == name:
+                    src = next((n for t, n in self._norm_outputs if t is x), None)
+                    self._stats[name] = _InputStats(source=src)
+            # Most recently used last: a MoE block's input stays while every expert's down input passes by.
+            self._recent = ([(t, lead) for t, lead in self._recent if t is not x] + [(x, leader)])[-8:]
+            if leader == name:
+                self._stats[name].add(x, with_h=True)
+
+        return hook
+
+    def _norm_hook(self, name: str):
+        def hook(module, args, out):
+            if isinstance(out, torch.Tensor):
+                self._norm_outputs = (self._norm_outputs + [(out, name)])[-8:]
+
+        return hook
+
+    def _sample_hook(self, mp: _Mapping):
+        def hook(module, args, kwargs):
+            if mp.sampled >= self.config.search_tokens:
+                return
+            x = args[0] if args else kwargs.get("hidden_states")
+            if not isinstance(x, torch.Tensor):
+                return
+            mp.samples.append((tuple(args), dict(kwargs)))
+            mp.sampled += x.numel() // x.shape[-1]
+
+        return hook
+
+    # ----- search, fold, clip, quantise ----------------------------------------------------------------
+
+    def apply(self, ctx: LayerContext) -> None:
+        self._recent, self._norm_outputs = [], []
+        modules = dict(ctx.layer.named_modules())
+        work = {n: lin.weight.data.float().clone() for n, lin in ctx.targets.items()}
+        rescale: dict[str, torch.Tensor] = {}  # leader -> s: its input is now x / s
+        for name, st in self._stats.items():
+            if st.bad_batches:
+                ctx.warn(name, f"awq: skipped {st.bad_batches} calibration batch(es) with NaN/Inf activations")
+        mappings = self._mappings + self._derived(ctx, modules)
+        for mp in mappings:
+            self._search_and_fold(ctx, mp, modules, work, rescale)
+            mp.samples = []
+        if self.only_transform:
+            for n, lin in ctx.targets.items():
+                lin.weight.data.copy_(work[n].to(lin.weight.dtype))
+            self._stats = {}
+            return
+        with elementwise_threads(next(iter(work.values())).device if work else torch.device("cpu")):
+            for name in ctx.pending():
+                self._quantize(ctx, name, work[name], rescale)
+        self._stats = {}
+
+    def _derived(self, ctx: LayerContext, modules: dict) -> list[_Mapping]:
+        covered = {t for mp in self._mappings for t in mp.m.targets}
+        groups: dict[str, list[str]] = {}
+        for name in ctx.targets:
+            leader = self._leader.get(name, name)
+            groups.setdefault(leader, []).append(name)
+        out = []
+        for leader, names in groups.items():
+            if any(n in covered for n in names):
+                continue
+            st = self._stats.get(leader)
+            src = st.source if st else None
+            if src is None:
+                continue
+            if not self.config.derive or not _multiplicative(modules[src]):
+                ctx.warn(names[0], f"awq: layer {ctx.index}: no mapping for {src} -> {', '.join(names)}; quantised "
+                                   f"without scaling")
+                continue
+            ctx.warn(names[0], f"awq: layer {ctx.index}: derived mapping {src} -> {', '.join(names)} (not in the "
+                               f"adapter)")
+            out.append(_Mapping(ResolvedSmoothing(src, "norm", names), derived=True))
+        return out
+
+    def _search_and_fold(self, ctx: LayerContext, mp: _Mapping, modules: dict, work: dict, rescale: dict) -> None:
+        cfg, args, dtype = self.config, self.scheme.weights, ctx.weight_dtype
+        m = mp.m
+        quantised = [t for t in m.targets if t in ctx.targets]
+        leader = self._leader.get(quantised[0], quantised[0])
+        st = self._stats.get(leader)
+        x_mean = st.mean_abs() if st else None
+        if x_mean is None or not torch.isfinite(x_mean).all():
+            ctx.warn(quantised[0], f"awq: no finite calibration statistics for {m.source} -> {quantised[0]}; not scaled")
+            return
+        w_mean = weight_mean([work[t] for t in quantised], args) if cfg.duo_scaling else None
+        src_out = None
+        if m.head_dim:
+            src_out = modules[m.source].weight.shape[0]
+            n_kv = src_out // m.head_dim
+            x_mean = x_mean.reshape(n_kv, -1, m.head_dim).mean(1).reshape(-1)
+            if w_mean is not None:
+                w_mean = w_mean.reshape(n_kv, -1, m.head_dim).mean(1).reshape(-1)
+
+        def cols_for(s: torch.Tensor, target: str) -> torch.Tensor:
+            n_in = work[target].shape[1] if target in work else modules[target].weight.shape[1]
+            return expand_gqa(s, n_in, m.head_dim) if m.head_dim else s
+
+        candidates = candidate_scales(x_mean, w_mean, cfg.n_grid)
+        losses = []
+        if mp.parent is not None and mp.samples:
+            block = modules[mp.parent]
+            saved = {t: modules[t].weight.data.clone() for t in quantised}
+            with torch.no_grad():
+                refs = [_first(block(*a, **k)) for a, k in mp.samples]
+                for _, s in candidates:
+                    with elementwise_threads(work[quantised[0]].device):
+                        for t in quantised:
+                            c = cols_for(s, t)
+                            wq = fake_quant(work[t] * c[None, :], args, dtype) / c[None, :]
+                            modules[t].weight.data.copy_(wq.to(modules[t].weight.dtype))
+                    outs = [_first(block(*a, **k)) for a, k in mp.samples]
+                    with elementwise_threads(work[quantised[0]].device):
+                        loss = sum(float((o.float() - r.float()).pow(2).mean()) for o, r in zip(outs, refs))
+                    losses.append(loss / len(refs))
+                for t in quantised:
+                    modules[t].weight.data.copy_(saved[t])
+        else:
+            h = st.h / max(st.tokens, 1)
+            if leader in rescale:
+                r = rescale[leader]
+                h = h / (r[:, None] * r[None, :])
+            with elementwise_threads(h.device):
+                for _, s in candidates:
+                    loss = 0.0
+                    for t in quantised:
+                        c = cols_for(s, t)
+                        wq = fake_quant(work[t] * c[None, :], args, dtype) / c[None, :]
+                        loss += hessian_loss(work[t], wq, h)
+                    losses.append(loss)
+        finite = [i for i, v in enumerate(losses) if math.isfinite(v)]
+        if not finite:
+            ctx.warn(quantised[0], f"awq: scale search for {m.source} gave no finite loss; not scaled")
+            return
+        best = min(finite, key=lambda i: losses[i])
+        ratio, s = candidates[best]
+        self.report.append({"layer": ctx.index, "source": m.source, "ratio": ratio, "loss": losses[best],
+                            "loss_unscaled": losses[0], "derived": mp.derived})
+        if ratio < 0:
+            return
+        s_eff = self._fold(ctx, m, s, modules, work, cols_for)
+        # The targets' inputs are now x / s: the clip search's Hessians must see that.
+        for lead in dict.fromkeys(self._leader.get(t, t) for t in quantised):
+            full = cols_for(s_eff, next(t for t in quantised if self._leader.get(t, t) == lead))
+            prev = rescale.get(lead)
+            rescale[lead] = full if prev is None else prev * full
+
+    def _fold(self, ctx: LayerContext, m: ResolvedSmoothing, s: torch.Tensor, modules: dict, work: dict,
+              cols_for) -> torch.Tensor:
+        """Fold s into the source and targets in place; returns the scale actually applied."""
+        dtype = ctx.weight_dtype
+        source = modules[m.source]
+        with torch.no_grad():
+            if m.kind in ("norm", "gemma_norm"):
+                w = source.weight.data.float()
+                off = 1.0 if m.kind == "gemma_norm" else 0.0
+                new = round_to((w + off) / s - off, dtype)
+                # The scale the stored (rounded) norm weight really applies: compensate exactly that.
+                denom = new + off
+                s = torch.where(denom != 0, (w + off) / torch.where(denom != 0, denom, torch.ones_like(denom)), s)
+                source.weight.data.copy_(new.to(source.weight.dtype))
+            elif m.source in work:
+                work[m.source] /= s[:, None]
+                source.weight.data.copy_(work[m.source].to(source.weight.dtype))
+            else:
+                source.weight.data.copy_((source.weight.data.float() / s[:, None]).to(source.weight.dtype))
+            bias = getattr(source, "bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.data.copy_((bias.data.float() / s).to(bias.dtype))
+            for t in m.targets:
+                c = cols_for(s, t)
+                if t in work:
+                    work[t] *= c[None, :]
+                    modules[t].weight.data.copy_(work[t].to(modules[t].weight.dtype))
+                else:  # routers and other readers that are not quantised
+                    tw = modules[t].weight
+                    tw.data.copy_((tw.data.float() * c[None, :]).to(tw.dtype))
+        return s
+
+    def _quantize(self, ctx: LayerContext, name: str, w: torch.Tensor, rescale: dict) -> None:
+        cfg, args, dtype = self.config, ctx.scheme_for(name).weights, ctx.weight_dtype
+        if not torch.isfinite(w).all():
+            ctx.warn(name, f"awq: {int((~torch.isfinite(w)).sum())} NaN/Inf weight(s) replaced by 0")
+            w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
+        leader = self._leader.get(name, name)
+        st = self._stats.get(leader)
+        h = None
+        if st is not None and st.h is not None and st.tokens:
+            h = st.h / st.tokens
+            r = rescale.get(leader)
+            if r is not None:
+                h = h / (r[:, None] * r[None, :])
+            if not torch.isfinite(h).all():
+                h = None
+        p = None
+        if cfg.clip and h is not None and not any(re.fullmatch(pat, name) for pat in cfg.clip_skip):
+            p = clip_search(w, h, args, dtype, cfg.clip_grid, cfg.clip_max_shrink)
+        q, scale, zp = quantize_clipped(w, p, args, dtype)
+        result = QuantizedWeight(q, scale.float(), None if args.symmetric else zp, method=self.name)
+        ctx.set_quantized(name, result)
+        if h is not None:
+            approx = ctx.targets[name].weight.data.float()
+            den = float(((w @ h) * w).sum())
+            ctx.linear_errors[name] = math.sqrt(max(hessian_loss(w, approx, h), 0.0) / den) if den > 0 else 0.0
+
+
+@contextmanager
+def elementwise_threads(device: torch.device):
+    """One CPU thread for loops of many elementwise ops on weight-sized tensors: OpenMP barriers cost more
+    than the work there, and on a shared machine they stall (measured 13x on a 1536x576 fake-quantise)."""
+    if device.type != "cpu":
+        yield
+        return
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _multiplicative(norm: nn.Module) -> bool:
+    """Whether the module's output scales with its weight (an RMSNorm-style `x_hat * w`), so a scale folds in."""
+    w = norm.weight
+    x = torch.randn(4, w.shape[0], dtype=w.dtype, device=w.device, generator=None)
+    saved = w.data.clone()
+    try:
+        with torch.no_grad():
+            a = _first(norm(x)).float()
+            w.data.mul_(2)
+            b = _first(norm(x)).float()
+        return bool(torch.allclose(b, 2 * a, rtol=1e-2, atol=1e-3)) and bool(a.abs().sum() > 0)
+    except Exception:
+        return False
+    finally:
+        w.data.copy_(saved)
