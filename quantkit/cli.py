@@ -64,7 +64,7 @@ def _print_json(obj) -> None:
 @app.command()
 def quantize(
     model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file or hub id (default: embedded SmolLM2-135M)."),
-    method: Optional[str] = typer.Option(None, "--method", help="rtn, gptq, smoothquant (= smoothquant+rtn), fp8 (data-free with FP8_DYNAMIC/FP8_BLOCK); compose with +, e.g. smoothquant+gptq."),
+    method: Optional[str] = typer.Option(None, "--method", help="rtn, gptq, awq, smoothquant (= smoothquant+rtn), fp8 (data-free with FP8_DYNAMIC/FP8_BLOCK); compose with +, e.g. smoothquant+gptq, awq+gptq."),
     scheme: Optional[str] = typer.Option(None, "--scheme", help="W4A16, W4A16_ASYM, W8A16, W8A8, W8A8_STATIC, FP8, FP8_DYNAMIC, FP8_BLOCK."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Weights per scale (default 128); -1 = per output channel."),
     ignore: Optional[list[str]] = typer.Option(None, "--ignore", help="Module name or re:pattern to leave unquantised (repeatable)."),

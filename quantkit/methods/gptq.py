@@ -300,6 +300,7 @@ class _Problem:
 
 class GPTQ(Method):
     name = "gptq"
+    schemes = ("W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W8A8_STATIC")  # integer weights only
     needs_calibration = True
 
     def __init__(self, scheme, **options):

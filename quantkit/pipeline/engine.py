@@ -162,6 +162,30 @@ def _run_key(recipe: Recipe, calib: CalibrationSet, handle: ModelHandle) -> str:
     return h.hexdigest()
 
 
+def return_large_frees_to_os() -> None:
+    """Serve every allocation above 1 MB with its own mapping (glibc's mallopt M_MMAP_THRESHOLD), so a freed
+    activation or weight temporary leaves the process at once instead of staying resident in the heap."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # -3 = M_MMAP_THRESHOLD; also pins the threshold
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS. glibc keeps freed blocks below its (adaptive, up to 32 MB) mmap
+    threshold in the heap, so per-layer tensors of that size would otherwise pile up as resident memory."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -173,7 +197,9 @@ def _set_calibration_mode(layer: nn.Module, on: bool) -> None:
 
 
 def _auto_batch(seq_len: int) -> int:
-    return max(1, 4096 // seq_len)
+    # About 2048 tokens per forward: large enough for efficient matmuls, small enough that a layer's
+    # activations (the MLP's intermediate is the largest) stay well below the layer's own weights.
+    return max(1, 2048 // seq_len)
 
 
 def process_layer(
@@ -310,6 +336,7 @@ def quantize_model(
     tp: int | None = None,
 ) -> dict:
     t_start = time.time()
+    return_large_frees_to_os()
     output = Path(output)
     q, c = recipe.quantization, recipe.calibration
     scheme = get_scheme(q.scheme, q.group_size)
@@ -525,6 +552,7 @@ def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, de
         else:
             current = ActivationStore.load_from(state_dir / f"gen-{start:05d}", n_batches, spill / "a" if spill else None)
         del hidden
+        release_freed_memory()
 
         layer_task = progress.add_task("layers", total=len(plans), completed=start, info="")
         batch_task = progress.add_task("  batches", total=2 * n_batches, info="")
@@ -574,5 +602,6 @@ def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, de
                 current.drop()
             current = nxt
             del layer, ctx, modules, params
+            release_freed_memory()
             progress.update(layer_task, advance=1, info=f"rel err {rel:.4f}")
         current.drop()

@@ -207,8 +207,13 @@ def mse_weight_qparams(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch
     (the range shrunk over a grid), shaped like weight_qparams' output."""
     grouped = group_view(weight.float(), args)
     out, n_groups, size = grouped.shape
-    scale, zp = group_qparams(grouped.reshape(-1, size), args, scale_dtype, mse=True, grid=grid, max_shrink=max_shrink)
-    scale, zp = scale.reshape(out, n_groups), torch.round(zp).to(torch.int8).reshape(out, n_groups)
+    rows = grouped.reshape(-1, size)
+    # Chunks of about 1M values keep the grid search's temporaries small whatever the weight's size.
+    step = max(1, (1 << 20) // size)
+    parts = [group_qparams(rows[i : i + step], args, scale_dtype, mse=True, grid=grid, max_shrink=max_shrink)
+             for i in range(0, rows.shape[0], step)]
+    scale = torch.cat([p[0] for p in parts]).reshape(out, n_groups)
+    zp = torch.round(torch.cat([p[1] for p in parts])).to(torch.int8).reshape(out, n_groups)
     if args.strategy == "tensor":
         return scale.reshape(1), zp.reshape(1)
     return scale, zp

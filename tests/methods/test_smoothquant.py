@@ -123,7 +123,7 @@ def test_smoothquant_reduces_w8a8_error_with_outliers(tmp_path, outlier_model):
     smooth = quantize_model(_recipe(outlier_model, "smoothquant", "W8A8"), tmp_path / "sq")
     err = lambda s: sum(r["rel_error"] for r in s["layers"]) / len(s["layers"])  # noqa: E731
     assert smooth["method"] == "smoothquant+rtn"
-    assert err(smooth) < 0.7 * err(plain), (err(smooth), err(plain))
+    assert err(smooth) < 0.8 * err(plain), (err(smooth), err(plain))
 
 
 @pytest.mark.parametrize("method,scheme", [("smoothquant+gptq", "W8A8"), ("smoothquant", "W8A8_STATIC"),
