@@ -18,11 +18,9 @@ import argparse
 import hashlib
 import json
 import shlex
-import shutil
-import sys
 from pathlib import Path
 
-from common import LLMC_PYTHON, ROOT, kl_plain, ratio, run_measured, save_tokens, write_results
+from common import LLMC_PYTHON, ROOT, kl_plain, ratio, run_measured, save_tokens, write_results, prepare_run
 
 
 def pydoc_text(path: Path) -> Path:
@@ -47,16 +45,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "gptq")
     args = ap.parse_args()
 
-    sys.path.insert(0, str(ROOT))
-    from transformers import AutoTokenizer
-
+    model, tok = prepare_run(args.model, args.work)
     from quantkit.data.calibration import build_token_blocks
-    from quantkit.models.source import resolve_model
-
-    model = resolve_model(args.model).path
-    shutil.rmtree(args.work, ignore_errors=True)
-    args.work.mkdir(parents=True)
-    tok = AutoTokenizer.from_pretrained(model)
     calib = build_token_blocks(tok, "kjv", args.calib_samples, args.seq_len, seed=args.seed)
     calib_file = save_tokens(calib.input_ids, args.work / "calibration.safetensors")
     evals = {

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import sys
 from pathlib import Path
 
-from common import LLMC_PYTHON, ROOT, kl_plain, ratio, run_measured, save_tokens, write_results
+from common import LLMC_PYTHON, ROOT, kl_plain, ratio, run_measured, save_tokens, write_results, prepare_run
 
 
 def main() -> None:
@@ -27,16 +25,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "rtn")
     args = ap.parse_args()
 
-    sys.path.insert(0, str(ROOT))
-    from transformers import AutoTokenizer
-
+    model, tok = prepare_run(args.model, args.work)
     from quantkit.data.calibration import build_token_blocks
-    from quantkit.models.source import resolve_model
-
-    model = resolve_model(args.model).path
-    shutil.rmtree(args.work, ignore_errors=True)
-    args.work.mkdir(parents=True)
-    tok = AutoTokenizer.from_pretrained(model)
     heldout = build_token_blocks(tok, "kjv", args.heldout_samples, args.seq_len, seed=1234, split="heldout")
     tokens = save_tokens(heldout.input_ids, args.work / "heldout.safetensors")
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from common import LLMC_PYTHON, ROOT, kl_plain, ratio, run_measured, save_tokens, write_results
+from common import LLMC_PYTHON, ROOT, kl_plain, ratio, run_measured, save_tokens, write_results, prepare_run
 
 
 def try_kl(base: Path, candidate: Path, tokens: Path) -> dict:
@@ -47,16 +46,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "w8a8_fp8")
     args = ap.parse_args()
 
-    sys.path.insert(0, str(ROOT))
-    from transformers import AutoTokenizer
-
+    model, tok = prepare_run(args.model, args.work)
     from quantkit.data.calibration import build_token_blocks
-    from quantkit.models.source import resolve_model
-
-    model = resolve_model(args.model).path
-    shutil.rmtree(args.work, ignore_errors=True)
-    args.work.mkdir(parents=True)
-    tok = AutoTokenizer.from_pretrained(model)
     calib = build_token_blocks(tok, "kjv", args.calib_samples, args.seq_len, seed=42, split="calibration")
     heldout = build_token_blocks(tok, "kjv", args.heldout_samples, args.seq_len, seed=1234, split="heldout")
     calib_tokens = save_tokens(calib.input_ids, args.work / "calib.safetensors")

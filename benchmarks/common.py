@@ -56,3 +56,18 @@ def write_results(name: str, payload: dict, markdown: str) -> None:
 
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.3f}x" if b else "n/a"
+
+
+def prepare_run(model_arg: str | None, work: Path):
+    """Resolve the model (default: the embedded SmolLM2), start a clean work folder, load the tokenizer."""
+    import shutil
+
+    sys.path.insert(0, str(ROOT))
+    from transformers import AutoTokenizer
+
+    from quantkit.models.source import resolve_model
+
+    model = resolve_model(model_arg).path
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return model, AutoTokenizer.from_pretrained(model)
