@@ -59,6 +59,7 @@ from torch import nn
 from quantkit.errors import InputError
 from quantkit.methods.base import LayerContext, Method, QuantizedWeight
 from quantkit.quant import QuantArgs, compute_qparams, group_view, quantize_weight
+from quantkit.quant.integer import SEARCH_CHUNK
 from quantkit.quant.smoothing import ResolvedSmoothing, expand_gqa, resolve_mappings
 
 CLIP_SKIP = (r"(.*\.)?(q_proj|k_proj|q_a_proj|q_b_proj|query|key|Wqkv|qkv_proj)",)
@@ -160,13 +161,14 @@ def group_hessians(h: torch.Tensor, args: QuantArgs) -> torch.Tensor:
 
 
 def clip_search(w: torch.Tensor, h: torch.Tensor, args: QuantArgs, dtype: torch.dtype, grid: int = 20,
-                max_shrink: float = 0.5, row_block: int = 256) -> torch.Tensor:
+                max_shrink: float = 0.5, row_block: int | None = None) -> torch.Tensor:
     """The shrink factor p [out, n_groups] of each group's range [min, max] minimising the error of the
     group's partial outputs, d_g^T H_gg d_g with d = w - Q(w) (AutoAWQ's clip search, over H's tokens)."""
     g_all = group_view(w, args)  # [out, ng, gs]
     hg = group_hessians(h, args)  # [ng, gs, gs]
     steps = [1.0 - k / grid for k in range(max(1, int(max_shrink * grid)))]
     best_p = torch.ones(g_all.shape[:2], device=w.device)
+    row_block = row_block or max(1, SEARCH_CHUNK // w.shape[1])
     for r0 in range(0, g_all.shape[0], row_block):
         g = g_all[r0 : r0 + row_block]
         lo, hi = g.amin(-1), g.amax(-1)

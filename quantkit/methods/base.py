@@ -1,7 +1,7 @@
 """The method interface: what a quantisation method sees of a layer, and what it hands back.
 
 The engine calls, for each decoder layer: `attach` (register statistics hooks for the calibration pass,
-only when `needs_calibration`), then `apply` after the pass. Methods compose (`smoothquant+gptq`): all attach
+only when `uses_statistics`), then `apply` after the pass. Methods compose (`smoothquant+gptq`): all attach
 in the same pass, apply in order; the last one must quantise every target the earlier ones left.
 """
 
@@ -72,6 +72,12 @@ class Method:
     def __init__(self, scheme: Scheme, **options):
         self.scheme = scheme
         self.options = options
+
+    @property
+    def uses_statistics(self) -> bool:
+        """Whether `attach` must run during the calibration pass. A method may want statistics without the
+        full calibration set (RTN's importance weights come from the few error-measuring samples)."""
+        return self.needs_calibration
 
     def attach(self, ctx: LayerContext) -> list[torch.utils.hooks.RemovableHandle]:
         return []

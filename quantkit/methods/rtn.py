@@ -1,39 +1,84 @@
 """Round-to-nearest: each weight group (or channel, tensor, block) is scaled by its own range and rounded.
-Data-free.
 
-`scale_search: mse` (integer schemes) shrinks each group's range over a grid of 20 factors down to 0.8 and keeps
-the one with the smallest squared rounding error: clipping a rare outlier lowers the error of the rest of the
-group. `minmax` is the plain absmax/min-max scale that llm-compressor's RTN uses.
+`scale_search` picks each integer group's scale:
+  minmax      the plain absmax / min-max scale, as compressed-tensors' and llm-compressor's RTN compute it.
+              Data-free.
+  mse         shrink the group's range over a grid of 20 factors down to 0.8 and keep the one with the smallest
+              squared rounding error: clipping a rare outlier lowers the error of the rest of the group.
+              Data-free.
+  activation  the same search, each weight's squared error weighted by the mean square of the input it
+              multiplies on calibration text (llama.cpp's importance matrix). Only the few samples that flow
+              anyway to measure each layer's error (`calibration.error_samples`, 8 x seq_len tokens) are used:
+              measured on SmolLM2, 8 samples gave the same held-out KL as 128.
+Float (fp8) weights always use the plain range.
 """
 
 from __future__ import annotations
+
+import torch
 
 from quantkit.errors import InputError
 from quantkit.methods.base import LayerContext, Method, QuantizedWeight
 from quantkit.quant.integer import mse_weight_qparams, quantize_weight
 from quantkit.quant.weights import quantize_any
 
-SCALE_SEARCH = ("minmax", "mse")
+SCALE_SEARCH = ("minmax", "mse", "activation")
+# A column whose input is (almost) always zero on the calibration text still keeps this share of the mean
+# importance, so text the calibration set lacks does not meet weights chosen with no regard to their error.
+IMPORTANCE_FLOOR = 0.01
 
 
 class RTN(Method):
     name = "rtn"
     needs_calibration = False
 
-    def __init__(self, scheme, scale_search: str = "mse", **options):
+    def __init__(self, scheme, scale_search: str = "activation", **options):
         super().__init__(scheme, **options)
         if scale_search not in SCALE_SEARCH:
             raise InputError(f"rtn scale_search must be one of {', '.join(SCALE_SEARCH)}, not {scale_search!r}")
         self.scale_search = scale_search
+        self._square_sums: dict[str, torch.Tensor] = {}
+        self._tokens: dict[str, int] = {}
+
+    def attach(self, ctx: LayerContext) -> list:
+        self._square_sums, self._tokens = {}, {}
+        if not self.uses_statistics:
+            return []
+
+        def hook(name: str):
+            def fn(module, inputs):
+                x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+                total = self._square_sums.get(name)
+                sq = x.pow(2).sum(0)
+                self._square_sums[name] = sq if total is None else total + sq
+                self._tokens[name] = self._tokens.get(name, 0) + x.shape[0]
+
+            return fn
+
+        return [m.register_forward_pre_hook(hook(n)) for n, m in ctx.targets.items()]
+
+    @property
+    def uses_statistics(self) -> bool:
+        return self.scale_search == "activation"
+
+    def importance(self, name: str) -> torch.Tensor | None:
+        if name not in self._square_sums:
+            return None
+        mean_sq = self._square_sums[name] / max(1, self._tokens[name])
+        return mean_sq + IMPORTANCE_FLOOR * mean_sq.mean()
 
     def apply(self, ctx: LayerContext) -> None:
         for name in ctx.pending():
             weight, args = ctx.targets[name].weight.data, ctx.scheme_for(name).weights
-            if self.scale_search == "mse" and args.type == "int":
-                scale, zp = mse_weight_qparams(weight, args, ctx.weight_dtype)
+            if self.scale_search != "minmax" and args.type == "int":
+                importance = self.importance(name) if self.scale_search == "activation" else None
+                if self.scale_search == "activation" and importance is None:
+                    ctx.warn(name, "no calibration inputs reached this linear; rtn used the unweighted mse search")
+                scale, zp = mse_weight_qparams(weight, args, ctx.weight_dtype, importance=importance)
                 q, scale, zp = quantize_weight(weight, args, scale, zp, scale_dtype=ctx.weight_dtype)
                 result = QuantizedWeight(q, scale.float(), None if args.symmetric else zp, method=self.name)
             else:
                 q, scale, zp = quantize_any(weight, args, ctx.weight_dtype)
                 result = QuantizedWeight(q, scale, zp, method=self.name)
             ctx.set_quantized(name, result)
+        self._square_sums, self._tokens = {}, {}

@@ -9,6 +9,7 @@ output shards; commit the journal; free the layer. Peak memory is one layer plus
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -222,7 +223,7 @@ def process_layer(
     stages = method_stages(methods)
     for k, stage in enumerate(stages):
         observe = static if k == len(stages) - 1 else []
-        needs_stats = any(m.needs_calibration for m in stage) or bool(observe)
+        needs_stats = any(m.uses_statistics for m in stage) or bool(observe)
         if k == 0 or needs_stats:
             hooks = [h for m in stage for h in m.attach(ctx)] if needs_stats else []
             hooks += [_observe_absmax(ctx, n) for n in observe]
@@ -251,9 +252,10 @@ def process_layer(
         for j in range(n_batches):
             reference = outputs[j]
             quantized = run_layer(layer, inputs[j], calls[j][ctx.index])
-            if not torch.isfinite(quantized).all():
+            diff = (quantized - reference).double().pow(2).sum().item()
+            if not math.isfinite(diff):  # any NaN/Inf in the quantised output lands here
                 raise RunError(f"layer {ctx.index} produced NaN/Inf after quantisation")
-            num += (quantized - reference).double().pow(2).sum().item()
+            num += diff
             den += reference.double().pow(2).sum().item()
             outputs[j] = quantized
             if on_batch:
@@ -553,55 +555,66 @@ def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, de
             current = ActivationStore.load_from(state_dir / f"gen-{start:05d}", n_batches, spill / "a" if spill else None)
         del hidden
         release_freed_memory()
+        # Everything alive now (the libraries, the skeleton) outlives the layer loop: keep it out of the
+        # per-layer gc.collect, which otherwise rescans it every layer (0.15 s each on SmolLM2).
+        gc.freeze()
+        try:
+            _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journal, partial, state_dir,
+                        spill, weight_dtype, compute_dtype, autocast, progress, current, calls, start)
+        finally:
+            gc.unfreeze()
 
-        layer_task = progress.add_task("layers", total=len(plans), completed=start, info="")
-        batch_task = progress.add_task("  batches", total=2 * n_batches, info="")
-        delay = float(os.environ.get("QUANTKIT_DEBUG_LAYER_DELAY", "0"))  # test aid: widen the kill window
-        for plan in plans[start:]:
-            t0 = time.time()
-            i = plan.index
-            if delay:
-                time.sleep(delay)
-            layer = handle.materialize_layer(i, compute_dtype, device)
-            modules = dict(layer.named_modules())
-            ctx = LayerContext(
-                index=i,
-                layer=layer,
-                targets={t.local: modules[t.local] for t in plan.targets},
-                scheme=scheme,
-                schemes={t.local: t.scheme for t in plan.targets if t.scheme is not scheme},
-                checkpoint_names={t.local: t.checkpoint for t in plan.targets},
-                weight_dtype=weight_dtype,
-                adapter=handle.adapter,
-            )
-            nxt = ActivationStore(spill / ("b" if current.folder.name == "a" else "a") if spill else None)
-            progress.reset(batch_task, total=2 * n_batches, info=f"layer {i}")
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                rel = process_layer(layer, ctx, methods, current, nxt, calls, n_batches,
-                                    on_batch=lambda: progress.advance(batch_task))
-            for t in plan.targets:
-                for name, tensor in pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, weight_dtype,
-                                                   ctx.input_scales.get(t.local)).items():
-                    writer.write(name, tensor)
-            params = dict(layer.named_parameters())
-            for local, (ckpt, dtype, _) in plan.kept.items():
-                writer.write(ckpt, params[local].detach().to(dtype))
-            for name in plan.copied:
-                writer.write(name, handle.index.get(name))
-            writer.sync()
-            # Persist the activations entering the next layer, then commit: a kill at any point resumes here.
-            nxt.save_to(state_dir / f"gen-{i + 1:05d}", n_batches)
-            record = {"layer": i, "rel_error": rel, "seconds": round(time.time() - t0, 3),
-                      "linear_errors": ctx.linear_errors}
-            journal.layer_records.append(record)
-            journal.events.extend(ctx.events)
-            journal.layers_done = i + 1
-            journal.commit(partial)
-            shutil.rmtree(state_dir / f"gen-{i:05d}", ignore_errors=True)
-            if current.folder is not None and current.folder != nxt.folder:
-                current.drop()
-            current = nxt
-            del layer, ctx, modules, params
-            release_freed_memory()
-            progress.update(layer_task, advance=1, info=f"rel err {rel:.4f}")
-        current.drop()
+
+def _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journal, partial, state_dir, spill,
+                weight_dtype, compute_dtype, autocast, progress, current, calls, start) -> None:
+    layer_task = progress.add_task("layers", total=len(plans), completed=start, info="")
+    batch_task = progress.add_task("  batches", total=2 * n_batches, info="")
+    delay = float(os.environ.get("QUANTKIT_DEBUG_LAYER_DELAY", "0"))  # test aid: widen the kill window
+    for plan in plans[start:]:
+        t0 = time.time()
+        i = plan.index
+        if delay:
+            time.sleep(delay)
+        layer = handle.materialize_layer(i, compute_dtype, device)
+        modules = dict(layer.named_modules())
+        ctx = LayerContext(
+            index=i,
+            layer=layer,
+            targets={t.local: modules[t.local] for t in plan.targets},
+            scheme=scheme,
+            schemes={t.local: t.scheme for t in plan.targets if t.scheme is not scheme},
+            checkpoint_names={t.local: t.checkpoint for t in plan.targets},
+            weight_dtype=weight_dtype,
+            adapter=handle.adapter,
+        )
+        nxt = ActivationStore(spill / ("b" if current.folder.name == "a" else "a") if spill else None)
+        progress.reset(batch_task, total=2 * n_batches, info=f"layer {i}")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            rel = process_layer(layer, ctx, methods, current, nxt, calls, n_batches,
+                                on_batch=lambda: progress.advance(batch_task))
+        for t in plan.targets:
+            for name, tensor in pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, weight_dtype,
+                                               ctx.input_scales.get(t.local)).items():
+                writer.write(name, tensor)
+        params = dict(layer.named_parameters())
+        for local, (ckpt, dtype, _) in plan.kept.items():
+            writer.write(ckpt, params[local].detach().to(dtype))
+        for name in plan.copied:
+            writer.write(name, handle.index.get(name))
+        writer.sync()
+        # Persist the activations entering the next layer, then commit: a kill at any point resumes here.
+        nxt.save_to(state_dir / f"gen-{i + 1:05d}", n_batches)
+        record = {"layer": i, "rel_error": rel, "seconds": round(time.time() - t0, 3),
+                  "linear_errors": ctx.linear_errors}
+        journal.layer_records.append(record)
+        journal.events.extend(ctx.events)
+        journal.layers_done = i + 1
+        journal.commit(partial)
+        shutil.rmtree(state_dir / f"gen-{i:05d}", ignore_errors=True)
+        if current.folder is not None and current.folder != nxt.folder:
+            current.drop()
+        current = nxt
+        del layer, ctx, modules, params
+        release_freed_memory()
+        progress.update(layer_task, advance=1, info=f"rel err {rel:.4f}")
+    current.drop()
