@@ -22,7 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from common import LLMC_PYTHON, ROOT, kl_plain, ratio, run_measured, save_tokens, write_results
+from common import (HELDOUT_KJV, HELDOUT_PYDOC, LLMC_PYTHON, ROOT, heldout_sets, kl_plain, ratio, run_measured,
+                    save_tokens, write_results)
 
 
 def _load() -> str:
@@ -55,8 +56,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model)
     calib = build_token_blocks(tok, "kjv", args.num_samples, args.seq_len, seed=42)
     calib_file = save_tokens(calib.input_ids, args.work / "calibration.safetensors")
-    heldout = build_token_blocks(tok, "kjv", args.heldout_samples, args.seq_len, seed=1234, split="heldout")
-    tokens = save_tokens(heldout.input_ids, args.work / "heldout.safetensors")
+    evals = heldout_sets(tok, args.work, args.heldout_samples, args.seq_len)
 
     quantkit = str(ROOT / ".venv" / "bin" / "quantkit")
     common = ["--model", str(model), "--scheme", args.scheme, "--group-size", str(args.group_size), "--dataset", "kjv",
@@ -75,24 +75,25 @@ def main() -> None:
         llmc["load_note"] = f"1-min load average after the run: {_load()}"
         llmc_json.write_text(json.dumps(llmc, indent=2))
     loads["after_llmc"] = _load()
-    kl_qk = kl_plain(model, args.work / "quantkit", tokens)
-    kl_rtn = kl_plain(model, args.work / "quantkit-rtn", tokens)
-    kl_llmc = kl_plain(model, args.work / "llmcompressor", tokens)
+    kl_qk = {k: kl_plain(model, args.work / "quantkit", f) for k, f in evals.items()}
+    kl_rtn = {k: kl_plain(model, args.work / "quantkit-rtn", f) for k, f in evals.items()}
+    kl_llmc = {k: kl_plain(model, args.work / "llmcompressor", f) for k, f in evals.items()}
 
     rows = [("wall time (s)", qk["wall_s"], llmc["wall_s"]),
-            ("peak RSS (MB)", qk["peak_rss_bytes"] / 1e6, llmc["peak_rss_bytes"] / 1e6),
-            ("held-out KL", kl_qk["kl_mean"], kl_llmc["kl_mean"]),
-            ("held-out perplexity", kl_qk["ppl"], kl_llmc["ppl"]),
-            ("top-1 agreement", kl_qk["top1_agree"], kl_llmc["top1_agree"])]
+            ("peak RSS (MB)", qk["peak_rss_bytes"] / 1e6, llmc["peak_rss_bytes"] / 1e6)]
+    for k in evals:
+        rows += [(f"KL, {k}", kl_qk[k]["kl_mean"], kl_llmc[k]["kl_mean"]),
+                 (f"perplexity, {k} (base {kl_qk[k]['ppl_base']:.3f})", kl_qk[k]["ppl"], kl_llmc[k]["ppl"]),
+                 (f"top-1 agreement, {k}", kl_qk[k]["top1_agree"], kl_llmc[k]["top1_agree"])]
     md = [f"# AWQ {args.scheme} g{args.group_size}: quantkit vs llm-compressor", "",
           f"model `{model.name}`, calibration KJV {args.num_samples} x {args.seq_len} tokens (seed 42, same blocks "
           f"for both), held-out KJV {args.heldout_samples} x {args.seq_len} tokens, base perplexity "
-          f"{kl_qk['ppl_base']:.3f}. llm-compressor ran with its accelerator memory pinning disabled (no GPU here).",
+          f"{kl_qk[HELDOUT_KJV]['ppl_base']:.3f}; also {args.heldout_samples} x {args.seq_len} tokens of pydoc (another domain). llm-compressor ran with its accelerator memory pinning disabled (no GPU here).",
           f"1-min load average: {loads} (shared machine; wall times are only comparable within one run).", "",
           "| metric | quantkit awq | llm-compressor awq | quantkit / llm-compressor |", "|---|---|---|---|"]
     md += [f"| {name} | {a:.4f} | {b:.4f} | {ratio(a, b)} |" for name, a, b in rows]
-    md += ["", f"quantkit RTN (same scheme): held-out KL {kl_rtn['kl_mean']:.4f}, perplexity {kl_rtn['ppl']:.4f}, "
-               f"wall {rtn['wall_s']:.1f} s."]
+    md += ["", f"quantkit RTN (same scheme): KL {kl_rtn[HELDOUT_KJV]['kl_mean']:.4f} (KJV) / "
+               f"{kl_rtn[HELDOUT_PYDOC]['kl_mean']:.4f} (pydoc), wall {rtn['wall_s']:.1f} s."]
     write_results(f"awq_{args.scheme.lower()}_g{args.group_size}",
                   {"quantkit": {**qk, "stdout": None, "stderr": None, "kl": kl_qk},
                    "quantkit_rtn": {**rtn, "stdout": None, "stderr": None, "kl": kl_rtn},

@@ -20,15 +20,8 @@ import json
 import shlex
 from pathlib import Path
 
-from common import LLMC_PYTHON, ROOT, kl_plain, ratio, run_measured, save_tokens, write_results, prepare_run
-
-
-def pydoc_text(path: Path) -> Path:
-    """Python's language/library reference topics as a .txt file (paragraphs separated by blank lines)."""
-    from pydoc_data.topics import topics
-
-    path.write_text("\n\n".join(topics[k].strip() for k in sorted(topics)), encoding="utf-8")
-    return path
+from common import (HELDOUT_KJV, HELDOUT_PYDOC, LLMC_PYTHON, ROOT, heldout_sets, kl_plain, prepare_run, ratio,
+                    run_measured, save_tokens, write_results)
 
 
 def main() -> None:
@@ -49,12 +42,7 @@ def main() -> None:
     from quantkit.data.calibration import build_token_blocks
     calib = build_token_blocks(tok, "kjv", args.calib_samples, args.seq_len, seed=args.seed)
     calib_file = save_tokens(calib.input_ids, args.work / "calibration.safetensors")
-    evals = {
-        "kjv held-out": build_token_blocks(tok, "kjv", args.heldout_samples, args.seq_len, seed=1234, split="heldout"),
-        "pydoc (other domain)": build_token_blocks(tok, str(pydoc_text(args.work / "pydoc.txt")),
-                                                   args.heldout_samples, args.seq_len, seed=1234),
-    }
-    eval_files = {k: save_tokens(v.input_ids, args.work / f"eval-{i}.safetensors") for i, (k, v) in enumerate(evals.items())}
+    eval_files = heldout_sets(tok, args.work, args.heldout_samples, args.seq_len)
 
     quantkit = str(ROOT / ".venv" / "bin" / "quantkit")
     common = ["quantize", "--model", str(model), "--scheme", "W4A16", "--group-size", str(args.group_size),
@@ -89,7 +77,7 @@ def main() -> None:
           "| metric | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     md.append("| wall time (s) | " + " | ".join(f"{runs[n]['wall_s']:.1f}" for n in names) + " |")
     md.append("| peak RSS (MB) | " + " | ".join(f"{runs[n]['peak_rss_bytes'] / 1e6:.0f}" for n in names) + " |")
-    for k in evals:
+    for k in eval_files:
         base_ppl = runs[names[0]]["eval"][k]["ppl_base"]
         md.append(f"| KL, {k} | " + " | ".join(f"{runs[n]['eval'][k]['kl_mean']:.4f}" for n in names) + " |")
         md.append(f"| perplexity, {k} (base {base_ppl:.2f}) | "
@@ -99,9 +87,9 @@ def main() -> None:
         lc = runs["llm-compressor gptq"]
         md += ["", f"quantkit / llm-compressor: wall {ratio(qk['wall_s'], lc['wall_s'])}, "
                f"peak RSS {ratio(qk['peak_rss_bytes'], lc['peak_rss_bytes'])}, "
-               f"KJV KL {ratio(qk['eval']['kjv held-out']['kl_mean'], lc['eval']['kjv held-out']['kl_mean'])}"]
-    rtn = runs["quantkit rtn"]["eval"]["pydoc (other domain)"]["kl_mean"]
-    md.append(f"other-domain KL, quantkit gptq / rtn: {ratio(qk['eval']['pydoc (other domain)']['kl_mean'], rtn)}")
+               f"KJV KL {ratio(qk['eval'][HELDOUT_KJV]['kl_mean'], lc['eval'][HELDOUT_KJV]['kl_mean'])}"]
+    rtn = runs["quantkit rtn"]["eval"][HELDOUT_PYDOC]["kl_mean"]
+    md.append(f"other-domain KL, quantkit gptq / rtn: {ratio(qk['eval'][HELDOUT_PYDOC]['kl_mean'], rtn)}")
     payload = {n: {k: v for k, v in r.items() if k not in ("stdout", "stderr", "out")} for n, r in runs.items()}
     write_results(f"gptq_w4a16_g{args.group_size}", payload, "\n".join(md) + "\n")
 

@@ -10,10 +10,10 @@ are then scored by benchmarks/kl_plain.py (plain transformers) on the same held-
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from common import LLMC_PYTHON, ROOT, kl_plain, ratio, run_measured, save_tokens, write_results, prepare_run
+from common import (HELDOUT_KJV, LLMC_PYTHON, ROOT, heldout_sets, kl_plain, prepare_run, ratio,
+                    run_measured, write_results)
 
 
 def main() -> None:
@@ -26,26 +26,26 @@ def main() -> None:
     args = ap.parse_args()
 
     model, tok = prepare_run(args.model, args.work)
-    from quantkit.data.calibration import build_token_blocks
-    heldout = build_token_blocks(tok, "kjv", args.heldout_samples, args.seq_len, seed=1234, split="heldout")
-    tokens = save_tokens(heldout.input_ids, args.work / "heldout.safetensors")
+    evals = heldout_sets(tok, args.work, args.heldout_samples, args.seq_len)
 
     qk_out, llmc_out = args.work / "quantkit", args.work / "llmcompressor"
     qk = run_measured([str(ROOT / ".venv" / "bin" / "quantkit"), "quantize", "--model", str(model), "--method", "rtn",
                        "--scheme", "W4A16", "--group-size", str(args.group_size), "--output", str(qk_out), "--json"])
     llmc = run_measured([str(LLMC_PYTHON), str(ROOT / "benchmarks" / "llmc_runner.py"), "--model", str(model),
                          "--recipe", "rtn", "--scheme", "W4A16", "--group-size", str(args.group_size),
-                         "--output", str(llmc_out), "--tokens", str(tokens)])
-    kl_qk, kl_llmc = kl_plain(model, qk_out, tokens), kl_plain(model, llmc_out, tokens)
+                         "--output", str(llmc_out), "--tokens", str(evals[HELDOUT_KJV])])  # unused by data-free RTN
+    kl_qk = {k: kl_plain(model, qk_out, f) for k, f in evals.items()}
+    kl_llmc = {k: kl_plain(model, llmc_out, f) for k, f in evals.items()}
 
     rows = [("wall time (s)", qk["wall_s"], llmc["wall_s"]),
-            ("peak RSS (MB)", qk["peak_rss_bytes"] / 1e6, llmc["peak_rss_bytes"] / 1e6),
-            ("held-out KL", kl_qk["kl_mean"], kl_llmc["kl_mean"]),
-            ("held-out perplexity", kl_qk["ppl"], kl_llmc["ppl"]),
-            ("top-1 agreement", kl_qk["top1_agree"], kl_llmc["top1_agree"])]
+            ("peak RSS (MB)", qk["peak_rss_bytes"] / 1e6, llmc["peak_rss_bytes"] / 1e6)]
+    for k in evals:
+        rows += [(f"KL, {k}", kl_qk[k]["kl_mean"], kl_llmc[k]["kl_mean"]),
+                 (f"perplexity, {k} (base {kl_qk[k]['ppl_base']:.3f})", kl_qk[k]["ppl"], kl_llmc[k]["ppl"]),
+                 (f"top-1 agreement, {k}", kl_qk[k]["top1_agree"], kl_llmc[k]["top1_agree"])]
     md = [f"# RTN W4A16 g{args.group_size}: quantkit vs llm-compressor", "",
-          f"model `{model.name}`, held-out KJV {args.heldout_samples} x {args.seq_len} tokens, "
-          f"base perplexity {kl_qk['ppl_base']:.3f}", "",
+          f"model `{model.name}`; evaluation {args.heldout_samples} x {args.seq_len} tokens of held-out KJV and of "
+          f"pydoc (another domain); quantkit's default scale search (importance-weighted, 8 KJV samples)", "",
           "| metric | quantkit | llm-compressor | quantkit / llm-compressor |", "|---|---|---|---|"]
     md += [f"| {name} | {a:.4f} | {b:.4f} | {ratio(a, b)} |" for name, a, b in rows]
     write_results(f"rtn_w4a16_g{args.group_size}", {"quantkit": {**qk, "stdout": None, "stderr": None, "kl": kl_qk},

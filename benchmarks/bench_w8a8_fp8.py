@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import LLMC_PYTHON, ROOT, kl_plain, ratio, run_measured, save_tokens, write_results, prepare_run
+from common import LLMC_PYTHON, ROOT, ratio, run_measured, save_tokens, write_results, prepare_run
 
 
 def try_kl(base: Path, candidate: Path, tokens: Path) -> dict:

@@ -71,3 +71,24 @@ def prepare_run(model_arg: str | None, work: Path):
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     return model, AutoTokenizer.from_pretrained(model)
+
+
+def pydoc_text(path: Path) -> Path:
+    """Python's language/library reference topics (stdlib `pydoc_data.topics`) as a .txt file: English technical
+    prose and code, a domain far from the KJV calibration text."""
+    from pydoc_data.topics import topics
+
+    path.write_text("\n\n".join(topics[k].strip() for k in sorted(topics)), encoding="utf-8")
+    return path
+
+
+HELDOUT_KJV, HELDOUT_PYDOC = "kjv held-out", "pydoc (other domain)"
+
+
+def heldout_sets(tok, work: Path, n_samples: int, seq_len: int) -> dict[str, Path]:
+    """Token files for held-out KJV (the calibration domain, disjoint split) and for pydoc (another domain)."""
+    from quantkit.data.calibration import build_token_blocks
+
+    blocks = {HELDOUT_KJV: build_token_blocks(tok, "kjv", n_samples, seq_len, seed=1234, split="heldout"),
+              HELDOUT_PYDOC: build_token_blocks(tok, str(pydoc_text(work / "pydoc.txt")), n_samples, seq_len, seed=1234)}
+    return {k: save_tokens(v.input_ids, work / f"eval-{i}.safetensors") for i, (k, v) in enumerate(blocks.items())}

@@ -389,3 +389,31 @@ def test_self_generated_blocks_are_seeded(tiny_models, tmp_path, monkeypatch):
     c = self_generated.generate_blocks(tiny_models["llama"], 3, 24, seed=7, batch_size=2)  # regenerated
     d = self_generated.generate_blocks(tiny_models["llama"], 3, 24, seed=8, batch_size=2)
     assert a.shape == (3, 24) and torch.equal(a, b) and torch.equal(a, c) and not torch.equal(a, d)
+
+
+def test_hessian_weighted_scale_search_picks_the_weighted_grid_optimum():
+    """With up-front scales, each group's scale is the grid factor minimising sum_k (w_k - Q(w_k))^2 / u_kk^2."""
+    args = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=32)
+    w, h = _problem(5, rows=16, n=128, dead=0)
+    perm = column_order(h, "none")
+    u, ok = inverse_cholesky(dampen(h, 0.01)[0][None])
+    groups = column_groups(128, args, perm, "none")
+    cost = 1.0 / torch.diagonal(u[0]).pow(2)
+
+    def solve(weighting):
+        return gptq_solve(w[None], u, perm[None], groups[None], args, torch.bfloat16, "original", 128,
+                          mse=True, mse_weighting=weighting).scale[0]
+
+    weighted, plain = solve("hessian"), solve("none")
+    g = w.reshape(16, 4, 32)
+    cw = cost.reshape(1, 4, 32)
+    best_err = torch.full((16, 4), float("inf"))
+    expected = torch.zeros(16, 4)
+    for k in range(21):
+        p = 1.0 - 0.2 * k / 20
+        scale = _bf16(torch.maximum(-g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)) * p / 7.5)
+        err = ((torch.round(g / scale[..., None]).clamp(-8, 7) * scale[..., None] - g).pow(2) * cw).sum(-1)
+        better = err < best_err
+        best_err, expected = torch.where(better, err, best_err), torch.where(better, scale, expected)
+    torch.testing.assert_close(weighted, expected)
+    assert not torch.equal(weighted, plain)  # the weights matter on uneven inputs
