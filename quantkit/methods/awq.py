@@ -119,6 +119,21 @@ def fake_quant(w: torch.Tensor, args: QuantArgs, dtype: torch.dtype) -> torch.Te
     return round_to((q - zpf) * scale, dtype).reshape(w.shape)
 
 
+def scaled_fake_quant(w: torch.Tensor, c: torch.Tensor, args: QuantArgs, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """fake_quant(w * c) / c for column scales c [in], written into `out` (any dtype; default fp32). Works in
+    row chunks whose temporaries stay under the engine's 1 MB mmap threshold (measured: the unchunked form
+    spent most of its time page-faulting fresh mappings)."""
+    out = torch.empty_like(w) if out is None else out
+    if args.strategy == "tensor":  # one scale for the whole matrix: no row chunking
+        out.copy_(fake_quant(w * c[None, :], args, dtype) / c[None, :])
+        return out
+    step = max(1, SEARCH_CHUNK // w.shape[1])
+    for r0 in range(0, w.shape[0], step):
+        out[r0 : r0 + step] = fake_quant(w[r0 : r0 + step] * c[None, :], args, dtype) / c[None, :]
+    return out
+
+
 def weight_mean(weights: list[torch.Tensor], args: QuantArgs) -> torch.Tensor:
     """Per input column: mean over all rows of |w| / (absmax of w's quantisation group)."""
     rows = []
@@ -145,8 +160,12 @@ def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, n_grid: 
 
 
 def hessian_loss(weight: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> float:
-    """sum over tokens ||(W - Wq) x||^2 from H = sum x x^T."""
+    """sum over tokens ||(W - Wq) x||^2 from H = sum x x^T. With a bf16 H the product runs in bf16 (fp32
+    accumulation; ~9x faster on AMX CPUs): the loss moves by ~3e-5 relative, far below the gaps between
+    candidate scales."""
     d = weight - approx
+    if h.dtype == torch.bfloat16:
+        return float(((d.to(torch.bfloat16) @ h).float() * d).sum())
     return float(((d @ h) * d).sum())
 
 
@@ -215,11 +234,12 @@ class _InputStats:
 
     def add(self, x: torch.Tensor, with_h: bool) -> None:
         x2 = x.detach().reshape(-1, x.shape[-1])
-        a = x2.abs().float().sum(0)
+        a = x2.abs().sum(0, dtype=torch.float32)
         if with_h:
             xm = x2 if x2.dtype in (torch.bfloat16, torch.float16, torch.float32) else x2.float()
             xtx = (xm.t() @ xm).float()
-        if not torch.isfinite(a).all() or (with_h and not torch.isfinite(xtx).all()):
+        # Any inf/NaN input reaches the column sums; a finite diagonal bounds every entry of x^T x.
+        if not torch.isfinite(a).all() or (with_h and not torch.isfinite(xtx.diagonal()).all()):
             self.bad_batches += 1
             return
         self.abs_sum = a if self.abs_sum is None else self.abs_sum + a
@@ -421,12 +441,11 @@ class AWQ(Method):
                 for _, s in candidates:
                     with elementwise_threads(work[quantised[0]].device):
                         for t in quantised:
-                            c = cols_for(s, t)
-                            wq = fake_quant(work[t] * c[None, :], args, dtype) / c[None, :]
-                            modules[t].weight.data.copy_(wq.to(modules[t].weight.dtype))
+                            scaled_fake_quant(work[t], cols_for(s, t), args, dtype, out=modules[t].weight.data)
                     outs = [_first(block(*a, **k)) for a, k in mp.samples]
                     with elementwise_threads(work[quantised[0]].device):
-                        loss = sum(float((o.float() - r.float()).pow(2).mean()) for o, r in zip(outs, refs))
+                        loss = sum(float(torch.linalg.vector_norm(o - r, dtype=torch.float32) ** 2) / o.numel()
+                                   for o, r in zip(outs, refs))
                     losses.append(loss / len(refs))
                 for t in quantised:
                     modules[t].weight.data.copy_(saved[t])
@@ -435,13 +454,12 @@ class AWQ(Method):
             if leader in rescale:
                 r = rescale[leader]
                 h = h / (r[:, None] * r[None, :])
+            h = h.to(torch.bfloat16)
             with elementwise_threads(h.device):
                 for _, s in candidates:
                     loss = 0.0
                     for t in quantised:
-                        c = cols_for(s, t)
-                        wq = fake_quant(work[t] * c[None, :], args, dtype) / c[None, :]
-                        loss += hessian_loss(work[t], wq, h)
+                        loss += hessian_loss(work[t], scaled_fake_quant(work[t], cols_for(s, t), args, dtype), h)
                     losses.append(loss)
         finite = [i for i, v in enumerate(losses) if math.isfinite(v)]
         if not finite:
