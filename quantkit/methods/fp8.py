@@ -11,3 +11,4 @@ from quantkit.methods.rtn import RTN
 class FP8(RTN):
     name = "fp8"
     schemes = ("FP8", "FP8_DYNAMIC", "FP8_BLOCK")
+

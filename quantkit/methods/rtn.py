@@ -59,7 +59,8 @@ class RTN(Method):
 
     @property
     def uses_statistics(self) -> bool:
-        return self.scale_search == "activation"
+        # fp8 weights always take their plain range: nothing to weight
+        return self.scale_search == "activation" and self.scheme.weights.type == "int"
 
     def importance(self, name: str) -> torch.Tensor | None:
         if name not in self._square_sums:

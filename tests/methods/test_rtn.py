@@ -75,6 +75,7 @@ def test_statistics_only_when_weighting():
     assert RTN(get_scheme("W4A16", 32), scale_search="activation").uses_statistics
     assert not RTN(get_scheme("W4A16", 32), scale_search="mse").uses_statistics
     assert not RTN(get_scheme("W4A16", 32)).needs_calibration  # runs on the error-measuring samples only
+    assert not RTN(get_scheme("FP8_DYNAMIC", None)).uses_statistics  # fp8 weights take their plain range
 
 
 def test_unknown_scale_search_is_refused():
