@@ -122,8 +122,8 @@ def fake_quant(w: torch.Tensor, args: QuantArgs, dtype: torch.dtype) -> torch.Te
 def scaled_fake_quant(w: torch.Tensor, c: torch.Tensor, args: QuantArgs, dtype: torch.dtype,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """fake_quant(w * c) / c for column scales c [in], written into `out` (any dtype; default fp32). Works in
-    row chunks whose temporaries stay under the engine's 1 MB mmap threshold (measured: the unchunked form
-    spent most of its time page-faulting fresh mappings)."""
+    row chunks whose temporaries stay small and under the engine's mmap threshold (measured: unchunked, with a
+    1 MB threshold, most of the time went to page-faulting fresh mappings)."""
     out = torch.empty_like(w) if out is None else out
     if args.strategy == "tensor":  # one scale for the whole matrix: no row chunking
         out.copy_(fake_quant(w * c[None, :], args, dtype) / c[None, :])
