@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from common import (HELDOUT_KJV, HELDOUT_PYDOC, LLMC_PYTHON, ROOT, heldout_sets, kl_plain, ratio, run_measured,
+from common import (comparison_rows, HELDOUT_KJV, HELDOUT_PYDOC, LLMC_PYTHON, ROOT, heldout_sets, kl_plain, ratio, run_measured,
                     save_tokens, write_results)
 
 
@@ -79,12 +79,7 @@ def main() -> None:
     kl_rtn = {k: kl_plain(model, args.work / "quantkit-rtn", f) for k, f in evals.items()}
     kl_llmc = {k: kl_plain(model, args.work / "llmcompressor", f) for k, f in evals.items()}
 
-    rows = [("wall time (s)", qk["wall_s"], llmc["wall_s"]),
-            ("peak RSS (MB)", qk["peak_rss_bytes"] / 1e6, llmc["peak_rss_bytes"] / 1e6)]
-    for k in evals:
-        rows += [(f"KL, {k}", kl_qk[k]["kl_mean"], kl_llmc[k]["kl_mean"]),
-                 (f"perplexity, {k} (base {kl_qk[k]['ppl_base']:.3f})", kl_qk[k]["ppl"], kl_llmc[k]["ppl"]),
-                 (f"top-1 agreement, {k}", kl_qk[k]["top1_agree"], kl_llmc[k]["top1_agree"])]
+    rows = comparison_rows(qk, llmc, kl_qk, kl_llmc)
     md = [f"# AWQ {args.scheme} g{args.group_size}: quantkit vs llm-compressor", "",
           f"model `{model.name}`, calibration KJV {args.num_samples} x {args.seq_len} tokens (seed 42, same blocks "
           f"for both), held-out KJV {args.heldout_samples} x {args.seq_len} tokens, base perplexity "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import (HELDOUT_KJV, LLMC_PYTHON, ROOT, heldout_sets, kl_plain, prepare_run, ratio,
+from common import (comparison_rows, HELDOUT_KJV, LLMC_PYTHON, ROOT, heldout_sets, kl_plain, prepare_run, ratio,
                     run_measured, write_results)
 
 
@@ -37,12 +37,7 @@ def main() -> None:
     kl_qk = {k: kl_plain(model, qk_out, f) for k, f in evals.items()}
     kl_llmc = {k: kl_plain(model, llmc_out, f) for k, f in evals.items()}
 
-    rows = [("wall time (s)", qk["wall_s"], llmc["wall_s"]),
-            ("peak RSS (MB)", qk["peak_rss_bytes"] / 1e6, llmc["peak_rss_bytes"] / 1e6)]
-    for k in evals:
-        rows += [(f"KL, {k}", kl_qk[k]["kl_mean"], kl_llmc[k]["kl_mean"]),
-                 (f"perplexity, {k} (base {kl_qk[k]['ppl_base']:.3f})", kl_qk[k]["ppl"], kl_llmc[k]["ppl"]),
-                 (f"top-1 agreement, {k}", kl_qk[k]["top1_agree"], kl_llmc[k]["top1_agree"])]
+    rows = comparison_rows(qk, llmc, kl_qk, kl_llmc)
     md = [f"# RTN W4A16 g{args.group_size}: quantkit vs llm-compressor", "",
           f"model `{model.name}`; evaluation {args.heldout_samples} x {args.seq_len} tokens of held-out KJV and of "
           f"pydoc (another domain); quantkit's default scale search (importance-weighted, 8 KJV samples)", "",

@@ -92,3 +92,14 @@ def heldout_sets(tok, work: Path, n_samples: int, seq_len: int) -> dict[str, Pat
     blocks = {HELDOUT_KJV: build_token_blocks(tok, "kjv", n_samples, seq_len, seed=1234, split="heldout"),
               HELDOUT_PYDOC: build_token_blocks(tok, str(pydoc_text(work / "pydoc.txt")), n_samples, seq_len, seed=1234)}
     return {k: save_tokens(v.input_ids, work / f"eval-{i}.safetensors") for i, (k, v) in enumerate(blocks.items())}
+
+
+def comparison_rows(run_a: dict, run_b: dict, kl_a: dict, kl_b: dict) -> list[tuple[str, float, float]]:
+    """(metric, a, b) rows for two tools: wall time, peak RSS, and KL / perplexity / top-1 per evaluation set."""
+    rows = [("wall time (s)", run_a["wall_s"], run_b["wall_s"]),
+            ("peak RSS (MB)", run_a["peak_rss_bytes"] / 1e6, run_b["peak_rss_bytes"] / 1e6)]
+    for k in kl_a:
+        rows += [(f"KL, {k}", kl_a[k]["kl_mean"], kl_b[k]["kl_mean"]),
+                 (f"perplexity, {k} (base {kl_a[k]['ppl_base']:.3f})", kl_a[k]["ppl"], kl_b[k]["ppl"]),
+                 (f"top-1 agreement, {k}", kl_a[k]["top1_agree"], kl_b[k]["top1_agree"])]
+    return rows

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import InputError
-from quantkit.methods.base import LayerContext, Method, QuantizedWeight
+from quantkit.methods.base import LayerContext, Method, check_known_options, QuantizedWeight
 from quantkit.quant import QuantArgs, compute_qparams, group_view, quantize_weight
 from quantkit.quant.integer import SEARCH_CHUNK
 from quantkit.quant.smoothing import ResolvedSmoothing, expand_gqa, resolve_mappings
@@ -89,10 +89,7 @@ class AWQConfig:
 
     @classmethod
     def from_options(cls, options: dict) -> "AWQConfig":
-        known = {f.name for f in fields(cls)}
-        bad = set(options) - known
-        if bad:
-            raise InputError(f"unknown awq option(s): {', '.join(sorted(bad))}; valid: {', '.join(sorted(known))}")
+        check_known_options("awq", options, [f.name for f in fields(cls)])
         opts = dict(options)
         if "clip_skip" in opts:
             opts["clip_skip"] = tuple(opts["clip_skip"] or ())

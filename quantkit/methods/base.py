@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from quantkit.errors import InputError
 from quantkit.quant.weights import dequantize_any
 from quantkit.quant.schemes import Scheme
 
@@ -61,6 +62,13 @@ class LayerContext:
 
     def pending(self) -> list[str]:
         return [n for n in self.targets if n not in self.results]
+
+
+def check_known_options(method: str, options: dict, known) -> None:
+    """Refuse recipe options a method does not have, naming the valid ones (a typo must not be ignored)."""
+    bad = set(options) - set(known)
+    if bad:
+        raise InputError(f"unknown {method} option(s): {', '.join(sorted(bad))}; valid: {', '.join(sorted(known))}")
 
 
 class Method:

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import InputError
-from quantkit.methods.base import LayerContext, Method, QuantizedWeight
+from quantkit.methods.base import LayerContext, Method, check_known_options, QuantizedWeight
 from quantkit.quant.integer import group_qparams, round_to_dtype
 from quantkit.quant import QuantArgs, compute_qparams, dequantize_weight_args, quantize_weight
 
@@ -87,10 +87,7 @@ class GPTQConfig:
 
     @classmethod
     def from_options(cls, options: dict) -> "GPTQConfig":
-        known = {f.name for f in fields(cls)}
-        bad = set(options) - known
-        if bad:
-            raise InputError(f"unknown gptq option(s): {', '.join(sorted(bad))} (valid: {', '.join(sorted(known))})")
+        check_known_options("gptq", options, [f.name for f in fields(cls)])
         opts = dict(options)
         if opts.get("actorder") in (None, False):
             opts["actorder"] = "none" if "actorder" in opts else cls.actorder

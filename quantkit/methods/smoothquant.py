@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from quantkit.errors import InputError
-from quantkit.methods.base import LayerContext, Method
+from quantkit.methods.base import LayerContext, Method, check_known_options
 from quantkit.quant.smoothing import (
     ResolvedSmoothing,
     apply_smoothing,
@@ -48,10 +48,7 @@ class SmoothQuantConfig:
 
     @classmethod
     def from_options(cls, options: dict) -> "SmoothQuantConfig":
-        known = {f.name for f in fields(cls)}
-        bad = set(options) - known
-        if bad:
-            raise InputError(f"unknown smoothquant option(s): {', '.join(sorted(bad))}; valid: {', '.join(sorted(known))}")
+        check_known_options("smoothquant", options, [f.name for f in fields(cls)])
         return cls(**options)
 
 
