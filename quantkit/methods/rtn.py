@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.errors import InputError
-from quantkit.methods.base import LayerContext, Method, QuantizedWeight
+from quantkit.methods.base import LayerContext, Method, QuantizedWeight, check_known_options
 from quantkit.quant.integer import mse_weight_qparams, quantize_weight
 from quantkit.quant.weights import quantize_any
 
@@ -33,6 +33,7 @@ class RTN(Method):
     needs_calibration = False
 
     def __init__(self, scheme, scale_search: str = "activation", **options):
+        check_known_options(self.name, options, ["scale_search"])
         super().__init__(scheme, **options)
         if scale_search not in SCALE_SEARCH:
             raise InputError(f"rtn scale_search must be one of {', '.join(SCALE_SEARCH)}, not {scale_search!r}")

@@ -81,3 +81,8 @@ def test_statistics_only_when_weighting():
 def test_unknown_scale_search_is_refused():
     with pytest.raises(InputError, match="minmax, mse, activation"):
         RTN(get_scheme("W4A16", 32), scale_search="best")
+
+
+def test_unknown_option_is_refused_not_ignored():
+    with pytest.raises(InputError, match="unknown rtn option.*scale_serch.*valid: scale_search"):
+        RTN(get_scheme("W4A16", 32), scale_serch="minmax")
