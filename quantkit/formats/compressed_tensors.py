@@ -3,7 +3,7 @@
 pack-quantized (W4A16, W8A16): per linear `weight_packed` int32 [out, ceil(in*bits/32)], `weight_scale`
 [out, n_groups] in the model dtype, `weight_shape` int64 [2], `weight_zero_point` int32
 [ceil(out*bits/32), n_groups] (asymmetric only, packed along the output dim), `weight_g_idx` int32 [in]
-(act-order "group" only). The config is built and validated with the compressed-tensors package's models.
+(act-order "group" only). The config matches what the compressed-tensors package's models dump.
 """
 
 from __future__ import annotations
@@ -69,66 +69,66 @@ def pack_quantized(name: str, result: QuantizedWeight, scheme: Scheme, dtype: to
     return tensors
 
 
-def _weight_args(scheme: Scheme, actorder: str | None):
-    from compressed_tensors.quantization import QuantizationArgs
-
+def _weight_args(scheme: Scheme, actorder: str | None) -> dict:
     w = scheme.weights
-    return QuantizationArgs(
-        num_bits=w.num_bits,
-        type=w.type,
-        symmetric=w.symmetric,
-        strategy=w.strategy,
-        group_size=w.group_size if w.strategy == "group" else None,
-        block_structure=list(w.block) if w.strategy == "block" else None,
-        # compressed-tensors >= 0.20 refuses actorder='group' (written below, after validation).
-        actorder=None if actorder == "group" else actorder,
-        observer="minmax",
-    )
+    args = {"num_bits": w.num_bits, "type": w.type, "symmetric": w.symmetric,
+            "group_size": w.group_size if w.strategy == "group" else None, "strategy": w.strategy}
+    if w.strategy == "block":
+        args["block_structure"] = list(w.block)
+    args["dynamic"] = False
+    if actorder is not None:
+        args["actorder"] = actorder
+    args["observer"] = "minmax"
+    return args
 
 
-def _activation_args(scheme: Scheme):
-    from compressed_tensors.quantization import QuantizationArgs
-
+def _activation_args(scheme: Scheme) -> dict | None:
     a = scheme.input_activations
     if a is None:
         return None
-    return QuantizationArgs(num_bits=a.num_bits, type=a.type, symmetric=True, strategy=a.strategy,
-                            dynamic=a.dynamic, group_size=a.group_size,
-                            observer=None if a.dynamic else "minmax")
+    args = {"num_bits": a.num_bits, "type": a.type, "symmetric": True, "group_size": a.group_size,
+            "strategy": a.strategy, "dynamic": a.dynamic}
+    if not a.dynamic:
+        args["observer"] = "minmax"
+    return args
+
+
+def _group(targets: list[str], scheme: Scheme, actorder: str | None) -> dict:
+    return {"targets": targets, "weights": _weight_args(scheme, actorder),
+            "input_activations": _activation_args(scheme), "output_activations": None, "format": scheme.format}
 
 
 def build_quantization_config(scheme: Scheme, ignore: list[str], actorder: str | None = None,
                               overrides: dict[str, list[str]] | None = None) -> dict:
-    """config.json's `quantization_config`, validated by compressed-tensors' own pydantic models.
+    """config.json's `quantization_config`, field for field what compressed-tensors' own pydantic models dump
+    (tests/formats/test_compressed_tensors.py holds it to them). Built as plain data because importing
+    compressed-tensors pulls in transformers and torch.distributed (about 2 s), which would dominate the
+    data-free FP8 path.
 
     `overrides` maps a scheme name to the checkpoint module names that use it instead of `scheme` (e.g. the
     FP8_BLOCK layers whose K is not a multiple of 128); each becomes its own config group targeting those
     names, which both compressed-tensors and vLLM match before the class target "Linear".
     """
-    import compressed_tensors
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from importlib.metadata import version
 
     from quantkit.quant.schemes import get_scheme
 
-    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=_weight_args(scheme, actorder),
-                                            input_activations=_activation_args(scheme), format=scheme.format)}
+    # act-order "group" (g_idx) is what older compressed-tensors / vLLM read; compressed-tensors >= 0.20
+    # refuses to validate it and current vLLM refuses such checkpoints loudly.
+    groups = {"group_0": _group(["Linear"], scheme, actorder)}
     for k, (name, modules) in enumerate(sorted((overrides or {}).items()), start=1):
-        other = get_scheme(name)
-        groups[f"group_{k}"] = QuantizationScheme(targets=sorted(modules), weights=_weight_args(other, None),
-                                                  input_activations=_activation_args(other), format=other.format)
-    formats = {g.format for g in groups.values()}
-    config = QuantizationConfig(
-        config_groups=groups,
-        format=formats.pop() if len(formats) == 1 else "mixed-precision",
-        quantization_status="compressed",
-        ignore=list(ignore),
-    )
-    out = config.model_dump(exclude_none=False)
-    out["quant_method"] = "compressed-tensors"
-    if actorder == "group":
-        # g_idx checkpoints: the field older compressed-tensors/vLLM read; current vLLM refuses them loudly.
-        out["config_groups"]["group_0"]["weights"]["actorder"] = "group"
-    out["sparsity_config"] = {}
-    out["transform_config"] = {}
-    out["version"] = compressed_tensors.__version__
-    return out
+        groups[f"group_{k}"] = _group(sorted(modules), get_scheme(name), None)
+    formats = {g["format"] for g in groups.values()}
+    return {
+        "config_groups": groups,
+        "quant_method": "compressed-tensors",
+        "kv_cache_scheme": None,
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "ignore": list(ignore),
+        "moe_sparsity_config": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": version("compressed-tensors"),
+    }

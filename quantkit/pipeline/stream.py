@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -96,10 +95,6 @@ def stream_quantize(recipe: Recipe, output: Path, scheme: Scheme, overwrite: boo
     from quantkit.pipeline.tp import tp_warnings
 
     t_start = time.time()
-    # Importing compressed-tensors (for the config's pydantic models) drags in transformers and costs seconds,
-    # more than quantising a small model: import it while the tensors are being quantised.
-    importer = threading.Thread(target=_import_config_models, daemon=True)
-    importer.start()
     output = Path(output)
     q = recipe.quantization
     if output.exists() and not overwrite:
@@ -135,7 +130,6 @@ def stream_quantize(recipe: Recipe, output: Path, scheme: Scheme, overwrite: boo
         records, events = _write_all(handle, plans, writer, weight_dtype, threads)
         writer.close()
         writer.write_index()
-        importer.join()
         recipe_used, overrides = write_config_and_extras(handle, plans, scheme, recipe, partial, output)
         summary = {
             "output": str(output),
@@ -164,13 +158,6 @@ def stream_quantize(recipe: Recipe, output: Path, scheme: Scheme, overwrite: boo
                 raise RunError(f"disk full while writing {partial}; nothing was left behind") from None
             raise RunError(f"cannot write {partial}: {exc.strerror or exc}") from None
         raise
-
-
-def _import_config_models() -> None:
-    try:
-        import compressed_tensors.quantization  # noqa: F401
-    except Exception:  # the real import in write_config_and_extras reports it
-        pass
 
 
 def _quantize_one(handle: ModelHandle, target, weight_dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -93,7 +93,9 @@ def quantize_activation(x: torch.Tensor, args: TensorArgs, input_scale: torch.Te
     """Fake-quantise activations (quantise then dequantise) in x's dtype."""
     shape = x.shape
     if args.strategy == "group":
-        x = x.unflatten(-1, (-1, args.group_size))
+        # A ragged last group (K not a multiple of the group) has its own scale over the columns it covers:
+        # zero padding never raises an absmax and is cut off again below.
+        x = F.pad(x, (0, -shape[-1] % args.group_size)).unflatten(-1, (-1, args.group_size))
     if args.dynamic:
         scale, zp = _dynamic_scale(x, args), None
     else:
@@ -108,7 +110,8 @@ def quantize_activation(x: torch.Tensor, args: TensorArgs, input_scale: torch.Te
     out = q.to(scale.dtype)
     if zp is not None:
         out = out - zp.to(scale.dtype)
-    return (out * scale).to(x.dtype).reshape(shape)
+    out = (out * scale).to(x.dtype)
+    return out.flatten(-2)[..., :shape[-1]] if args.strategy == "group" else out.reshape(shape)
 
 
 def linear(x: torch.Tensor, layer) -> torch.Tensor:

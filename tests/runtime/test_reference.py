@@ -75,6 +75,19 @@ def test_dynamic_activation_quant_matches_compressed_tensors(kind, strategy, gro
     assert torch.equal(reference.quantize_activation(x, mine), expected)
 
 
+def test_ragged_activation_group_is_quantised_on_its_own():
+    # K = 576 with 1x128 groups (SmolLM2's hidden size): four full groups and a last one of 64 columns.
+    x = (torch.randn(2, 3, 576, generator=torch.Generator().manual_seed(6)) * 3).to(torch.bfloat16)
+    x[0, 1, 550] = 60.0  # an outlier in the ragged group must not leak into the full groups
+    got = reference.quantize_activation(x, TensorArgs("float", 8, True, "group", 128, dynamic=True))
+    assert got.shape == x.shape
+    ct = _ct_args(num_bits=8, type="float", strategy="token", dynamic=True)
+    for start in range(0, 576, 128):
+        part = x[..., start:start + 128].contiguous()
+        scale, zp = compute_dynamic_scales_and_zp(part, ct, module=None)
+        assert torch.equal(got[..., start:start + 128], fake_quantize(part, scale, zp, ct)), f"group at {start}"
+
+
 @pytest.mark.parametrize("kind", ["int", "float"])
 def test_static_activation_quant_matches_compressed_tensors(kind):
     x = (torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
