@@ -7,7 +7,10 @@ balancing, output-aware weighting or complex (phase) rotation. Both go through t
 same linear-regime kv_a_layernorm, so the comparison is about the decomposition only.
 
     python benchmarks/bench_mla.py [--ranks 64,96,160] [--rope-dim 32] [--num-samples 32] [--seq-len 256]
-                                   [--eval-samples 8] [--out /tmp/bench_mla] [--json results.json]
+                                   [--eval-samples 8] [--refine-steps 100] [--out /tmp/bench_mla]
+
+quantkit runs twice per rank: as shipped (closed form + refinement) and closed form only, so the table shows
+what each step contributes. Results go to benchmarks/results/mla.{md,json}.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 os.environ.setdefault("QUANTKIT_NO_PROGRESS", "1")
 
+from common import HELDOUT_KJV, HELDOUT_PYDOC, pydoc_text, write_results  # noqa: E402
 from quantkit.convert.mla import (MLA_NORM_EPS, AttentionWeights, MLADims, MLAOptions, convert_model,  # noqa: E402
                                   evaluate_pair)
 
@@ -85,33 +89,53 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-samples", type=int, default=8)
+    ap.add_argument("--refine-steps", type=int, default=MLAOptions().refine_steps)
     ap.add_argument("--out", default="/tmp/bench_mla")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    domains = {HELDOUT_KJV: "kjv", HELDOUT_PYDOC: str(pydoc_text(out / "pydoc.txt"))}
+    variants = (("quantkit", None, args.refine_steps), ("quantkit closed form", None, 0),
+                ("baseline", baseline_attention, 0))
     rows = []
     for rank in [int(r) for r in args.ranks.split(",")]:
-        for name, fn in (("quantkit", None), ("baseline", baseline_attention)):
+        for name, fn, steps in variants:
             t0 = time.time()
-            summary = convert_model(args.model, out / f"{name}-{rank}", MLAOptions(rank, args.rope_dim),
+            folder = out / f"{name.replace(' ', '-')}-{rank}"
+            summary = convert_model(args.model, folder, MLAOptions(rank, args.rope_dim, refine_steps=steps),
                                     num_samples=args.num_samples, seq_len=args.seq_len, overwrite=True,
                                     attention_fn=fn)
-            ev = evaluate_pair(args.model, out / f"{name}-{rank}", args.eval_samples, args.seq_len)
-            row = {"method": name, "kv_lora_rank": rank, "rope_dim": args.rope_dim,
-                   "kv_ratio": summary["kv_cache"]["ratio"], **{k: ev[k] for k in ("kl", "ppl", "ppl_base",
-                                                                                 "top1_agreement")},
-                   "seconds": round(time.time() - t0, 1)}
+            seconds = time.time() - t0
+            row = {"method": name, "kv_lora_rank": rank, "rope_dim": args.rope_dim, "refine_steps": steps,
+                   "kv_ratio": summary["kv_cache"]["ratio"], "convert_s": round(seconds, 1)}
+            for domain, source in domains.items():
+                ev = evaluate_pair(args.model, folder, args.eval_samples, args.seq_len, dataset=source)
+                row[domain] = {k: ev[k] for k in ("kl", "ppl", "ppl_base", "top1_agreement")}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| rank | KV size | quantkit KL | baseline KL | ratio | quantkit ppl | baseline ppl | base ppl |")
-    print("|---|---|---|---|---|---|---|---|")
+
+    def pick(rank: int, name: str) -> dict:
+        return next(r for r in rows if r["kv_lora_rank"] == rank and r["method"] == name)
+
+    md = ["# MLA conversion: quantkit vs a TransMLA-style baseline at matched KV size", "",
+          f"model `{summary['model']}`, calibration KJV {args.num_samples} x {args.seq_len} tokens, rope dim "
+          f"{args.rope_dim}; KL / perplexity on {args.eval_samples} x {args.seq_len} held-out tokens of KJV and of "
+          f"pydoc (another domain), quantkit's layer-wise float32 reference forward. quantkit = closed form + "
+          f"{args.refine_steps} refinement steps per layer.", ""]
+    for domain in domains:
+        md += [f"## {domain}", "", "| kv_lora_rank | KV size | quantkit KL | closed form KL | baseline KL | "
+               "quantkit / baseline | quantkit ppl | baseline ppl | base ppl |", "|---|---|---|---|---|---|---|---|---|"]
+        for rank in sorted({r["kv_lora_rank"] for r in rows}):
+            a, c, b = pick(rank, "quantkit"), pick(rank, "quantkit closed form"), pick(rank, "baseline")
+            md.append(f"| {rank} | {a['kv_ratio']:.3f} | {a[domain]['kl']:.4f} | {c[domain]['kl']:.4f} | "
+                      f"{b[domain]['kl']:.4f} | {a[domain]['kl'] / b[domain]['kl']:.2f}x | {a[domain]['ppl']:.2f} | "
+                      f"{b[domain]['ppl']:.2f} | {a[domain]['ppl_base']:.2f} |")
+        md.append("")
+    md += ["| kv_lora_rank | quantkit convert s | closed form s | baseline s |", "|---|---|---|---|"]
     for rank in sorted({r["kv_lora_rank"] for r in rows}):
-        a = next(r for r in rows if r["kv_lora_rank"] == rank and r["method"] == "quantkit")
-        b = next(r for r in rows if r["kv_lora_rank"] == rank and r["method"] == "baseline")
-        print(f"| {rank} | {a['kv_ratio']:.3f} | {a['kl']:.4f} | {b['kl']:.4f} | {a['kl'] / b['kl']:.2f} | "
-              f"{a['ppl']:.2f} | {b['ppl']:.2f} | {a['ppl_base']:.2f} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        md.append(f"| {rank} | {pick(rank, 'quantkit')['convert_s']} | {pick(rank, 'quantkit closed form')['convert_s']}"
+                  f" | {pick(rank, 'baseline')['convert_s']} |")
+    write_results("mla", rows, "\n".join(md) + "\n")
 
 
 if __name__ == "__main__":

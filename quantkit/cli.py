@@ -194,6 +194,7 @@ def convert_mla(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output folder (written atomically)."),
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Comma-separated ranks: convert at each (into OUTPUT/rank-R) and plot KV size vs KL."),
     eval_samples: int = typer.Option(8, "--eval-samples", help="Held-out KJV samples for KL/perplexity (0 = skip)."),
+    refine_steps: int = typer.Option(100, "--refine-steps", help="Per-layer Adam steps fitting the MLA attention output to the source's on the calibration tokens (0 = closed form only)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -214,13 +215,15 @@ def convert_mla(
         return value
 
     def body():
-        from quantkit.convert.mla import run_convert
+        from quantkit.convert.mla import MLAOptions, run_convert
 
         if output is None:
             raise QuantkitError("--output is required")
         ranks = [parse_rank(r) for r in sweep.split(",") if r.strip()] if sweep else [parse_rank(kv_lora_rank)]
+        if refine_steps < 0:
+            raise QuantkitError(f"--refine-steps must be 0 or more; got {refine_steps}")
         report = run_convert(model, output, ranks, rope_dim, dataset, num_samples, seq_len, eval_samples,
-                             overwrite, sweep=bool(sweep))
+                             overwrite, sweep=bool(sweep), opts=MLAOptions(refine_steps=refine_steps))
         if as_json:
             _print_json(report)
         else:

@@ -11,8 +11,9 @@ import torch
 from typer.testing import CliRunner
 
 from quantkit.cli import app
-from quantkit.convert.mla import MLAOptions, convert_model, evaluate_pair, mla_reference_logits
-from quantkit.convert.rope import apply_rope_half, complex_rows, frequency_rotations, real_rows
+from quantkit.convert.mla import (MLA_NORM_EPS, MLAOptions, convert_model, evaluate_pair, mla_attention,
+                                  mla_reference_logits, plan_dims)
+from quantkit.convert.rope import apply_rope_half, complex_rows, frequency_rotations, inv_frequencies, real_rows
 from tests.conftest import make_tiny_model
 
 runner = CliRunner()
@@ -73,6 +74,44 @@ def test_full_rank_gqa_loses_only_rope_and_beats_low_rank(tiny, tmp_path):
         convert_model(str(tiny["gqa"]), out, MLAOptions(kv_lora_rank=rank, rope_dim=16), num_samples=4, seq_len=64)
         kls[rank] = evaluate_pair(str(tiny["gqa"]), out, num_samples=2, seq_len=64)["kl"]
     assert kls[-1] < kls[8]
+
+
+def test_mla_attention_is_what_transformers_deepseek_v3_computes(tiny, tmp_path):
+    """The refinement's differentiable forward (mla_attention) must be the attention the written folder runs."""
+    from transformers import AutoConfig
+
+    out = tmp_path / "out"
+    convert_model(str(tiny["gqa"]), out, MLAOptions(kv_lora_rank=20, rope_dim=8, refine_steps=0), num_samples=4,
+                  seq_len=64)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
+    model, _ = _hf_logits(out, ids)
+    attn = model.model.layers[0].self_attn
+    seen = {}
+    attn.register_forward_hook(lambda m, a, k, o: seen.update(x=k["hidden_states"], out=o[0]), with_kwargs=True)
+    model(ids)
+    dims = plan_dims(AutoConfig.from_pretrained(str(tiny["gqa"])), 20, 8)
+    r = dims.kv_lora_rank
+    kv_a = attn.kv_a_proj_with_mqa.weight
+    small = math.sqrt(MLA_NORM_EPS) / float(attn.kv_a_layernorm.weight[0])
+    ang = torch.arange(40, dtype=torch.float64)[:, None] * inv_frequencies(dims.rope_dim, dims.rope_theta)[None]
+    with torch.no_grad():
+        got = mla_attention(seen["x"], attn.q_proj.weight, kv_a[:r] / small, kv_a[r:], attn.kv_b_proj.weight,
+                            attn.o_proj.weight, dims, ang.cos(), ang.sin())
+    # the only difference allowed is the latent norm's linear-regime approximation (~1e-5 relative)
+    assert (got - seen["out"]).abs().max() < 1e-4 * seen["out"].abs().max()
+
+
+def test_refinement_lowers_held_out_kl(tiny, tmp_path):
+    kls, reports = {}, {}
+    for steps in (0, 100):
+        out = tmp_path / f"s{steps}"
+        summary = convert_model(str(tiny["gqa"]), out, MLAOptions(kv_lora_rank=12, rope_dim=8, refine_steps=steps),
+                                num_samples=8, seq_len=64)
+        reports[steps] = summary.get("refine")
+        kls[steps] = evaluate_pair(str(tiny["gqa"]), out, num_samples=4, seq_len=64)["kl"]
+    assert reports[0] is None and len(reports[100]) == 2  # one entry per layer of the tiny model
+    assert any(r["after"] < r["before"] for r in reports[100])
+    assert kls[100] < kls[0], kls
 
 
 @pytest.mark.parametrize("use_complex", [True, False])
