@@ -176,7 +176,8 @@ def test_sliding_window_is_refused(tmp_path):
 @pytest.mark.parametrize("args,needle", [(["--kv-lora-rank", "49", "--rope-dim", "16"], "exact maximum 48"),
                                          (["--rope-dim", "7"], "even"), (["--rope-dim", "18"], "head_dim (16)"),
                                          (["--kv-lora-rank", "lots"], "integer or 'full'"),
-                                         (["--sweep", "8,100"], "exact maximum 56")])
+                                         (["--sweep", "8,100"], "exact maximum 56"),
+                                         (["--refine-steps", "-1"], "0 or more")])
 def test_bad_sizes_are_refused(tiny, tmp_path, args, needle):
     out = tmp_path / "out"
     _fail(_convert("--model", str(tiny["gqa"]), "--output", str(out), *args), 2, needle)
