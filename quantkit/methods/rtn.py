@@ -38,16 +38,28 @@ class RTN(Method):
         if scale_search not in SCALE_SEARCH:
             raise InputError(f"rtn scale_search must be one of {', '.join(SCALE_SEARCH)}, not {scale_search!r}")
         self.scale_search = scale_search
+        self._reset()
+
+    def _reset(self) -> None:
         self._square_sums: dict[str, torch.Tensor] = {}
         self._tokens: dict[str, int] = {}
+        # Linears that read the same tensor (q/k/v, gate/up) share its statistics: name -> first reader.
+        self._leader: dict[str, str] = {}
+        self._recent: list[tuple[torch.Tensor, str]] = []
 
     def attach(self, ctx: LayerContext) -> list:
-        self._square_sums, self._tokens = {}, {}
+        self._reset()
         if not self.uses_statistics:
             return []
 
         def hook(name: str):
             def fn(module, inputs):
+                if name not in self._leader:
+                    self._leader[name] = next((lead for t, lead in self._recent if t is inputs[0]), name)
+                self._recent = [(t, lead) for t, lead in self._recent if t is not inputs[0]][-3:]
+                self._recent.append((inputs[0], self._leader[name]))
+                if self._leader[name] != name:
+                    return
                 x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
                 total = self._square_sums.get(name)
                 sq = x.pow(2).sum(0)
@@ -64,6 +76,7 @@ class RTN(Method):
         return self.scale_search == "activation" and self.scheme.weights.type == "int"
 
     def importance(self, name: str) -> torch.Tensor | None:
+        name = self._leader.get(name, name)
         if name not in self._square_sums:
             return None
         mean_sq = self._square_sums[name] / max(1, self._tokens[name])
@@ -83,4 +96,4 @@ class RTN(Method):
                 q, scale, zp = quantize_any(weight, args, ctx.weight_dtype)
                 result = QuantizedWeight(q, scale, zp, method=self.name)
             ctx.set_quantized(name, result)
-        self._square_sums, self._tokens = {}, {}
+        self._reset()

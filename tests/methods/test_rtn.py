@@ -86,3 +86,25 @@ def test_unknown_scale_search_is_refused():
 def test_unknown_option_is_refused_not_ignored():
     with pytest.raises(InputError, match="unknown rtn option.*scale_serch.*valid: scale_search"):
         RTN(get_scheme("W4A16", 32), scale_serch="minmax")
+
+
+def test_linears_reading_one_input_share_its_statistics():
+    """q/k/v (and gate/up) read the same tensor: one sum of squares serves them all, equal to each one's own."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, other = (nn.Linear(32, 16, bias=False) for _ in range(3))
+    targets = {"q": q, "k": k, "other": other}
+    ctx = LayerContext(index=0, layer=nn.ModuleDict(targets), targets=targets, scheme=get_scheme("W4A16", 32),
+                       checkpoint_names={n: n for n in targets})
+    rtn = RTN(get_scheme("W4A16", 32))
+    hooks = rtn.attach(ctx)
+    xs = [torch.randn(3, 5, 32, generator=gen) * torch.linspace(0.1, 4, 32) for _ in range(2)]
+    for x in xs:
+        q(x), k(x), other(torch.randn(4, 32, generator=gen))
+    for h in hooks:
+        h.remove()
+    assert set(rtn._square_sums) == {"q", "other"}  # k's input is q's: not summed twice
+    x_all = torch.cat([x.reshape(-1, 32) for x in xs])
+    mean_sq = x_all.pow(2).mean(0)
+    expected = mean_sq + 0.01 * mean_sq.mean()
+    assert torch.allclose(rtn.importance("k"), expected) and torch.allclose(rtn.importance("q"), expected)
+    assert not torch.allclose(rtn.importance("other"), expected)
