@@ -532,8 +532,12 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
             cov = torch.zeros(dims.hidden, dims.hidden, dtype=torch.float64)
             mean = torch.zeros(dims.hidden, dtype=torch.float64)
             count = 0
+            normed = []  # the attention inputs, kept for the refinement
             for h in hidden:
-                x = layer.input_layernorm(h).reshape(-1, dims.hidden).double()
+                xn = layer.input_layernorm(h).detach()
+                if opts.refine_steps > 0:
+                    normed.append(xn)
+                x = xn.reshape(-1, dims.hidden).double()
                 cov += x.T @ x
                 mean += x.sum(0)
                 count += x.shape[0]
@@ -557,13 +561,13 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
                                                                                    else out))
                 with torch.no_grad():
                     next_hidden = [run_layer(layer, h, calls[j][i]) for j, h in enumerate(hidden)]
-                    x_all = torch.cat([layer.input_layernorm(h) for h in hidden])
                 hook.remove()
-                new, refine_report = refine_attention(new, x_all, torch.cat(outputs) * alpha, dims,
+                new, refine_report = refine_attention(new, torch.cat(normed), torch.cat(outputs) * alpha, dims,
                                                       opts.refine_steps, opts.refine_lr, seed)
-                del x_all, outputs
+                del outputs
             else:
                 next_hidden = None
+            del normed
             names = _layer_names(i)
             for local, tensor in new.items():
                 writer.write(names["self_attn." + local], tensor.to(dtype))
