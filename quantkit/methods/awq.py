@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import InputError
-from quantkit.methods.base import LayerContext, Method, check_known_options, QuantizedWeight
+from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
 from quantkit.quant import QuantArgs, compute_qparams, group_view, quantize_weight
 from quantkit.quant.integer import SEARCH_CHUNK
 from quantkit.quant.smoothing import ResolvedSmoothing, expand_gqa, resolve_mappings
@@ -278,8 +278,7 @@ class AWQ(Method):
 
     def _reset(self) -> None:
         self._stats: dict[str, _InputStats] = {}
-        self._leader: dict[str, str] = {}
-        self._recent: list[tuple[torch.Tensor, str]] = []
+        self._shared = SharedInputs()
         self._norm_outputs: list[tuple[torch.Tensor, str]] = []
         self._mappings: list[_Mapping] = []
 
@@ -325,17 +324,12 @@ class AWQ(Method):
     def _input_hook(self, name: str):
         def hook(module, args):
             x = args[0]
-            leader = self._leader.get(name)
-            if leader is None:
-                leader = next((lead for t, lead in self._recent if t is x), name)
-                self._leader[name] = leader
-                if leader == name:
-                    src = next((n for t, n in self._norm_outputs if t is x), None)
-                    self._stats[name] = _InputStats(source=src)
-            # Most recently used last: a MoE block's input stays while every expert's down input passes by.
-            self._recent = ([(t, lead) for t, lead in self._recent if t is not x] + [(x, leader)])[-8:]
-            if leader == name:
-                self._stats[name].add(x, with_h=True)
+            if self._shared.see(name, x) != name:
+                return
+            if name not in self._stats:
+                src = next((n for t, n in self._norm_outputs if t is x), None)
+                self._stats[name] = _InputStats(source=src)
+            self._stats[name].add(x, with_h=True)
 
         return hook
 
@@ -361,7 +355,8 @@ class AWQ(Method):
     # ----- search, fold, clip, quantise ----------------------------------------------------------------
 
     def apply(self, ctx: LayerContext) -> None:
-        self._recent, self._norm_outputs = [], []
+        self._shared.release()
+        self._norm_outputs = []
         modules = dict(ctx.layer.named_modules())
         work = {n: lin.weight.data.float().clone() for n, lin in ctx.targets.items()}
         rescale: dict[str, torch.Tensor] = {}  # leader -> s: its input is now x / s
@@ -386,7 +381,7 @@ class AWQ(Method):
         covered = {t for mp in self._mappings for t in mp.m.targets}
         groups: dict[str, list[str]] = {}
         for name in ctx.targets:
-            leader = self._leader.get(name, name)
+            leader = self._shared.leader(name)
             groups.setdefault(leader, []).append(name)
         out = []
         for leader, names in groups.items():
@@ -409,7 +404,7 @@ class AWQ(Method):
         cfg, args, dtype = self.config, self.scheme.weights, ctx.weight_dtype
         m = mp.m
         quantised = [t for t in m.targets if t in ctx.targets]
-        leader = self._leader.get(quantised[0], quantised[0])
+        leader = self._shared.leader(quantised[0])
         st = self._stats.get(leader)
         x_mean = st.mean_abs() if st else None
         if x_mean is None or not torch.isfinite(x_mean).all():
@@ -470,8 +465,8 @@ class AWQ(Method):
             return
         s_eff = self._fold(ctx, m, s, modules, work, cols_for)
         # The targets' inputs are now x / s: the clip search's Hessians must see that.
-        for lead in dict.fromkeys(self._leader.get(t, t) for t in quantised):
-            full = cols_for(s_eff, next(t for t in quantised if self._leader.get(t, t) == lead))
+        for lead in dict.fromkeys(self._shared.leader(t) for t in quantised):
+            full = cols_for(s_eff, next(t for t in quantised if self._shared.leader(t) == lead))
             prev = rescale.get(lead)
             rescale[lead] = full if prev is None else prev * full
 
@@ -512,7 +507,7 @@ class AWQ(Method):
         if not torch.isfinite(w).all():
             ctx.warn(name, f"awq: {int((~torch.isfinite(w)).sum())} NaN/Inf weight(s) replaced by 0")
             w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
-        leader = self._leader.get(name, name)
+        leader = self._shared.leader(name)
         st = self._stats.get(leader)
         h = None
         if st is not None and st.h is not None and st.tokens:

@@ -92,3 +92,31 @@ class Method:
 
     def apply(self, ctx: LayerContext) -> None:
         raise NotImplementedError
+
+
+class SharedInputs:
+    """Which linears read the same input tensor (q/k/v, gate/up, a MoE block's input): each linear maps to its
+    leader, the first linear seen reading that tensor object, so statistics of one input are gathered once.
+    The last `keep` inputs are remembered, most recently used last, so a MoE block's input stays known while
+    every expert's own input passes by."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.leaders: dict[str, str] = {}
+        self._recent: list[tuple[torch.Tensor, str]] = []
+        self._keep = keep
+
+    def see(self, name: str, x: torch.Tensor) -> str:
+        """Record that `name` read `x`; return its leader (itself if it is the first reader)."""
+        leader = self.leaders.get(name)
+        if leader is None:
+            leader = next((lead for t, lead in self._recent if t is x), name)
+            self.leaders[name] = leader
+        self._recent = ([(t, lead) for t, lead in self._recent if t is not x] + [(x, leader)])[-self._keep:]
+        return leader
+
+    def leader(self, name: str) -> str:
+        return self.leaders.get(name, name)
+
+    def release(self) -> None:
+        """Drop the references to input tensors (the leaders stay)."""
+        self._recent = []

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import InputError
-from quantkit.methods.base import LayerContext, Method, check_known_options, QuantizedWeight
+from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
 from quantkit.quant.integer import group_qparams, round_to_dtype
 from quantkit.quant import QuantArgs, compute_qparams, dequantize_weight_args, quantize_weight
 
@@ -331,8 +331,7 @@ class GPTQ(Method):
         self._sums: dict[str, torch.Tensor] = {}
         self._tokens: dict[str, int] = {}
         self._bad_batches: dict[str, int] = {}
-        self._leader: dict[str, str] = {}
-        self._recent: list[tuple[torch.Tensor, str]] = []
+        self._shared = SharedInputs()
 
     def attach(self, ctx: LayerContext) -> list:
         self._reset()
@@ -341,13 +340,7 @@ class GPTQ(Method):
         def hook(name):
             def fn(module, inputs, output):
                 x = inputs[0]
-                leader = self._leader.get(name)
-                if leader is None:
-                    leader = next((lead for t, lead in self._recent if t is x), name)
-                    self._leader[name] = leader
-                if not any(t is x for t, _ in self._recent):
-                    self._recent = (self._recent + [(x, leader)])[-8:]
-                if leader != name:
+                if self._shared.see(name, x) != name:
                     return
                 if name not in self._sums:
                     self._sums[name] = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float32, device=x.device)
@@ -362,7 +355,7 @@ class GPTQ(Method):
         return [m.register_forward_hook(hook(n)) for n, m in ctx.targets.items()]
 
     def apply(self, ctx: LayerContext) -> None:
-        self._recent = []
+        self._shared.release()
         threads = torch.get_num_threads()
         on_cpu = all(t.weight.device.type == "cpu" for t in ctx.targets.values())
         try:
@@ -379,7 +372,7 @@ class GPTQ(Method):
         pending = ctx.pending()
         groups: dict[str, list[str]] = {}
         for name in pending:
-            groups.setdefault(self._leader.get(name, name), []).append(name)
+            groups.setdefault(self._shared.leader(name), []).append(name)
         problems: list[_Problem] = []
         for leader, names in groups.items():
             tokens = self._tokens.get(leader, 0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.errors import InputError
-from quantkit.methods.base import LayerContext, Method, QuantizedWeight, check_known_options
+from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
 from quantkit.quant.integer import mse_weight_qparams, quantize_weight
 from quantkit.quant.weights import quantize_any
 
@@ -43,9 +43,7 @@ class RTN(Method):
     def _reset(self) -> None:
         self._square_sums: dict[str, torch.Tensor] = {}
         self._tokens: dict[str, int] = {}
-        # Linears that read the same tensor (q/k/v, gate/up) share its statistics: name -> first reader.
-        self._leader: dict[str, str] = {}
-        self._recent: list[tuple[torch.Tensor, str]] = []
+        self._shared = SharedInputs()  # q/k/v (gate/up) read one tensor: its statistics are gathered once
 
     def attach(self, ctx: LayerContext) -> list:
         self._reset()
@@ -54,11 +52,7 @@ class RTN(Method):
 
         def hook(name: str):
             def fn(module, inputs):
-                if name not in self._leader:
-                    self._leader[name] = next((lead for t, lead in self._recent if t is inputs[0]), name)
-                self._recent = [(t, lead) for t, lead in self._recent if t is not inputs[0]][-3:]
-                self._recent.append((inputs[0], self._leader[name]))
-                if self._leader[name] != name:
+                if self._shared.see(name, inputs[0]) != name:
                     return
                 x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
                 total = self._square_sums.get(name)
@@ -76,7 +70,7 @@ class RTN(Method):
         return self.scale_search == "activation" and self.scheme.weights.type == "int"
 
     def importance(self, name: str) -> torch.Tensor | None:
-        name = self._leader.get(name, name)
+        name = self._shared.leader(name)
         if name not in self._square_sums:
             return None
         mean_sq = self._square_sums[name] / max(1, self._tokens[name])
