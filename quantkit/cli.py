@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from quantkit.errors import QuantkitError
+from quantkit.progress import progress_enabled
 
 app = typer.Typer(
     add_completion=False,
@@ -57,6 +58,20 @@ def _guarded(debug: bool, fn, *args, **kwargs):
         _fail(f"unexpected {type(exc).__name__}: {first} (rerun with --debug for the traceback)", 1)
 
 
+def _compute_line(compute: dict) -> str:
+    speeds = ", ".join(f"{k} {v:.1f}" for k, v in (compute.get("gflops") or {}).items())
+    return (f"compute dtype {compute['dtype']}{' (bf16 autocast)' if compute.get('autocast') else ''}: "
+            f"{compute['reason']}{' ' + speeds + ' GFLOP/s' if speeds else ''} on {compute.get('cpu', '?')}")
+
+
+def _compute_choice(value: str) -> str:
+    from quantkit.compute import CHOICES
+
+    if value not in CHOICES:
+        raise QuantkitError(f"unknown --compute-dtype {value!r}; valid: {', '.join(CHOICES)}")
+    return value
+
+
 def _print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
@@ -81,6 +96,7 @@ def quantize(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Spill calibration activations to this folder."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    compute_dtype: str = typer.Option("auto", "--compute-dtype", help="Calibration matmul dtype: auto (the faster of bf16 and fp32 on this machine, measured once), bfloat16 or float32."),
     strict: bool = typer.Option(False, "--strict", help="Refuse layers that cannot take the scheme instead of falling back."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size you will serve with: warn about linears vLLM could not split."),
     alpha: Optional[float] = typer.Option(None, "--alpha", help="SmoothQuant migration strength in [0, 1] (default 0.8)."),
@@ -113,7 +129,7 @@ def quantize(
         if out is None:
             raise QuantkitError("--output is required (or an `output:` field in the recipe)")
         summary = quantize_model(rec, out, resume=resume, overwrite=overwrite, offload_dir=offload_dir, device=device,
-                                 tp=tp)
+                                 tp=tp, compute_dtype=_compute_choice(compute_dtype))
         if as_json:
             _print_json(summary)
         else:
@@ -123,6 +139,8 @@ def quantize(
                 f"(from {summary['original_bytes'] / 1e6:.1f} MB)  {summary['wall_seconds']:.1f} s  "
                 f"peak RSS {summary['peak_rss_bytes'] / 1e6:.0f} MB"
             )
+            if summary.get("compute") and not progress_enabled():
+                console.print(_compute_line(summary["compute"]), highlight=False)
             errs = [layer["rel_error"] for layer in summary["layers"] if layer.get("rel_error") is not None]
             if errs:
                 console.print(f"per-layer relative output error: mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f}")
@@ -194,6 +212,7 @@ def convert_mla(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output folder (written atomically)."),
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Comma-separated ranks: convert at each (into OUTPUT/rank-R) and plot KV size vs KL."),
     eval_samples: int = typer.Option(8, "--eval-samples", help="Held-out KJV samples for KL/perplexity (0 = skip)."),
+    compute_dtype: str = typer.Option("auto", "--compute-dtype", help="Dtype of the source layers' forward passes: auto (the faster of bf16 and fp32 here, measured once), bfloat16 or float32; statistics and refinement keep their own precision."),
     refine_steps: int = typer.Option(100, "--refine-steps", help="Per-layer Adam steps fitting the MLA attention output to the source's on the calibration tokens (0 = closed form only)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -223,7 +242,8 @@ def convert_mla(
         if refine_steps < 0:
             raise QuantkitError(f"--refine-steps must be 0 or more; got {refine_steps}")
         report = run_convert(model, output, ranks, rope_dim, dataset, num_samples, seq_len, eval_samples,
-                             overwrite, sweep=bool(sweep), opts=MLAOptions(refine_steps=refine_steps))
+                             overwrite, sweep=bool(sweep),
+                             opts=MLAOptions(refine_steps=refine_steps, compute_dtype=_compute_choice(compute_dtype)))
         if as_json:
             _print_json(report)
         else:
@@ -270,7 +290,7 @@ def eval_cmd(
     max_ppl_increase: Optional[float] = typer.Option(None, "--max-ppl-increase", help="Gate: fail if perplexity rises by more than this percentage."),
     min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Gate: fail if top-1 agreement (0..1) is below this."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (the checkpoint's), float32, bfloat16, float16."),
+    dtype: str = typer.Option("auto", "--compute-dtype", "--dtype", help="Compute dtype: auto (the checkpoint's, or fp32 where this machine runs it much faster), float32, bfloat16, float16."),
     batch_size: int = typer.Option(4, "--batch-size", help="Blocks per forward pass."),
     seed: int = typer.Option(42, "--seed", help="Sampling seed of the token blocks."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),

@@ -31,3 +31,10 @@ def progress_bar():
     )
     with progress:
         yield progress
+
+
+def announce(message: str) -> None:
+    """One informational line on stderr where progress bars show (an interactive run: it tells at the start
+    what the run will do); commands print the same facts in their closing summary otherwise."""
+    if progress_enabled():
+        stderr_console.print(f"[dim]{message}[/]", highlight=False, soft_wrap=True)

@@ -66,6 +66,9 @@ class MLAOptions:
     expected_phase: bool = True  # NoPE'd components keep RoPE's mean phase under the attention pattern
     refine_steps: int = 100  # Adam steps per layer fitting the MLA attention output to the source's (0: closed form)
     refine_lr: float = 1e-2  # relative to each tensor's RMS
+    # The source layers' forward passes (quantkit.compute: auto = the faster of bf16 and fp32 here); the
+    # statistics (float64) and the refinement (float32) keep their own precision.
+    compute_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -518,23 +521,31 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
     cfg = deepseek_config(src_cfg, dims)
     cfg["dtype"] = str(dtype).replace("torch.", "")
     tied = cfg["tie_word_embeddings"]
+    from quantkit.compute import choose_compute_dtype, matmul_shapes
+    from quantkit.progress import announce
+
+    compute = choose_compute_dtype(opts.compute_dtype, handle.source_dtype(), "cpu", matmul_shapes(config))
+    announce(compute.describe())
+    run_dtype = torch.float32 if compute.autocast else compute.dtype
 
     partial = _prepare_output(output, overwrite)
     try:
         writer = PlannedShardWriter(partial, _tensor_specs(dims, cfg, dtype, tied))
         emb = handle.index.get(handle.embedding_path() + ".weight").to(torch.float32) * alpha
         writer.write("model.embed_tokens.weight", emb.to(dtype))
-        hidden, calls = capture_layer_inputs(handle, calib.input_ids, batch_size, "cpu", torch.float32)
+        hidden, calls = capture_layer_inputs(handle, calib.input_ids, batch_size, "cpu", run_dtype)
         layers_report = []
+        # Only the source layers' forward passes run under autocast; the refinement's Adam steps stay fp32.
+        forward = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute.autocast)  # noqa: E731
         for i in range(handle.num_layers):
-            layer = handle.materialize_layer(i, torch.float32)
+            layer = handle.materialize_layer(i, run_dtype)
             attn = layer.self_attn
             cov = torch.zeros(dims.hidden, dims.hidden, dtype=torch.float64)
             mean = torch.zeros(dims.hidden, dtype=torch.float64)
             count = 0
             normed = []  # the attention inputs, kept for the refinement
             for h in hidden:
-                xn = layer.input_layernorm(h).detach()
+                xn = layer.input_layernorm(h).detach().float()
                 if opts.refine_steps > 0:
                     normed.append(xn)
                 x = xn.reshape(-1, dims.hidden).double()
@@ -544,13 +555,15 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
             cov /= count
             mean /= count
             bias = lambda lin: lin.bias if getattr(lin, "bias", None) is not None else None  # noqa: E731
-            weights = AttentionWeights(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-                                       attn.o_proj.weight, bias(attn.q_proj), bias(attn.k_proj), bias(attn.v_proj))
+            f32 = lambda t: None if t is None else t.float()  # noqa: E731
+            weights = AttentionWeights(f32(attn.q_proj.weight), f32(attn.k_proj.weight), f32(attn.v_proj.weight),
+                                       f32(attn.o_proj.weight), f32(bias(attn.q_proj)), f32(bias(attn.k_proj)),
+                                       f32(bias(attn.v_proj)))
             if attention_fn is None:
                 phase = None
                 if opts.expected_phase:
                     probe = torch.cat(hidden)[:8]
-                    phase = attention_phase(layer.input_layernorm(probe), weights, dims)
+                    phase = attention_phase(layer.input_layernorm(probe).float(), weights, dims)
                 new = convert_attention(weights, cov, mean, dims, opts, alpha, phase)
             else:
                 new = attention_fn(weights, cov, mean, dims, opts, alpha)
@@ -559,10 +572,10 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
                 outputs: list[torch.Tensor] = []
                 hook = attn.register_forward_hook(lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple)
                                                                                    else out))
-                with torch.no_grad():
+                with torch.no_grad(), forward():
                     next_hidden = [run_layer(layer, h, calls[j][i]) for j, h in enumerate(hidden)]
                 hook.remove()
-                new, refine_report = refine_attention(new, torch.cat(normed), torch.cat(outputs) * alpha, dims,
+                new, refine_report = refine_attention(new, torch.cat(normed), torch.cat(outputs).float() * alpha, dims,
                                                       opts.refine_steps, opts.refine_lr, seed)
                 del outputs
             else:
@@ -577,7 +590,10 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
             writer.write(names["input_layernorm.weight"], layer.input_layernorm.weight.to(dtype))
             writer.write(names["post_attention_layernorm.weight"], layer.post_attention_layernorm.weight.to(dtype))
             # Statistics of the next layer come from the source model's own activations.
-            hidden = next_hidden or [run_layer(layer, h, calls[j][i]) for j, h in enumerate(hidden)]
+            if next_hidden is None:
+                with forward():
+                    next_hidden = [run_layer(layer, h, calls[j][i]) for j, h in enumerate(hidden)]
+            hidden = next_hidden
             layers_report.append({"layer": i, **({"refine": refine_report} if refine_report else {})})
             if on_layer:
                 on_layer(i, handle.num_layers)
@@ -601,6 +617,7 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
             "kv_cache": kv_cache_report(dims, handle.num_layers),
             "calibration": calib.describe(),
             "dtype": str(dtype).replace("torch.", ""),
+            "compute": compute.to_dict(),
             "wall_seconds": round(time.time() - start, 2),
         }
         if opts.refine_steps > 0:
@@ -610,7 +627,8 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
         manifest = {"quantkit_version": package_versions()["quantkit"], "kind": "convert-mla",
                     "source": {"model": resolved.label, "path": str(resolved.path)},
                     "versions": package_versions(), **{k: summary[k] for k in ("options", "dims", "kv_cache",
-                                                                             "calibration", "wall_seconds")},
+                                                                             "calibration", "compute",
+                                                                             "wall_seconds")},
                     "files": files}
         from quantkit.formats.manifest import MANIFEST
 

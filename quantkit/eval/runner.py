@@ -15,7 +15,8 @@ from quantkit.errors import InputError, QuantkitError
 from quantkit.eval.baseline import BaselineCache
 from quantkit.eval.metrics import TOKEN_FIELDS, nll_only, perplexity, summarize, token_stats
 from quantkit.formats.manifest import MANIFEST, package_versions, quantized_weight_stats, verify_manifest
-from quantkit.progress import progress_bar
+from quantkit.compute import ComputeChoice, choose_compute_dtype, matmul_shapes
+from quantkit.progress import announce, progress_bar
 from quantkit.runtime.model import RuntimeModel, check_model_folder, load_model, read_config, resolve_dtype
 
 
@@ -152,7 +153,15 @@ def validate_options(opts: EvalOptions) -> None:
     if opts.max_kl is not None and opts.max_kl < 0:
         raise InputError("--max-kl must be >= 0")
     if opts.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise InputError(f"unknown --dtype {opts.dtype!r}: use auto, float32, bfloat16 or float16")
+        raise InputError(f"unknown --compute-dtype {opts.dtype!r}: use auto, float32, bfloat16 or float16")
+
+
+def compute_for(path: Path, requested: str, device: torch.device) -> ComputeChoice:
+    """The dtype a model is evaluated in: `requested`, or under auto the checkpoint's own dtype unless this
+    machine multiplies a narrower one much faster in fp32 (bf16 on AVX2-only CPUs). An fp32 checkpoint is
+    never narrowed by auto: evaluation measures the model as it is."""
+    model_dtype = resolve_dtype(path, None)
+    return choose_compute_dtype(requested, model_dtype, device, matmul_shapes(read_config(path)), narrower=False)
 
 
 def run_eval(opts: EvalOptions) -> EvalRun:
@@ -180,7 +189,9 @@ def run_eval(opts: EvalOptions) -> EvalRun:
     started = time.perf_counter()
 
     with progress_bar() as progress:
-        dtype = resolve_dtype(base_path, opts.dtype)
+        base_compute = compute_for(base_path, opts.dtype, device)
+        announce(base_compute.describe())
+        dtype = base_compute.dtype
         cache = BaselineCache(base_path, data.fingerprint, dtype, opts.cache_dir)
         base_cached = cache.complete
         needs_model = not base_cached or bool(tasks) or bool(opts.lm_eval_tasks) or opts.throughput
@@ -198,7 +209,8 @@ def run_eval(opts: EvalOptions) -> EvalRun:
             cache.write(n_blocks, (seq_len, base.vocab_size), dtype, blocks(base))
         nll_base = torch.cat([nll_only(cache.read(i)[:-1], ids[i, 1:]) for i in range(n_blocks)])
         baseline = {"model": base_src.label, "path": str(base_path), "ppl": perplexity(nll_base),
-                    "dtype": str(dtype).replace("torch.", ""), "cached": base_cached, "cache_key": cache.key,
+                    "dtype": str(dtype).replace("torch.", ""), "compute": base_compute.to_dict(),
+                    "cached": base_cached, "cache_key": cache.key,
                     **size_figures(base_path, dtype)}
         if base is not None:
             baseline.update(_extras(base, base_tok, tasks, opts, device, evaluate_task))
@@ -206,7 +218,8 @@ def run_eval(opts: EvalOptions) -> EvalRun:
 
         results, token_kl = [], {}
         for ckpt in checkpoints:
-            rt = load_model(ckpt, opts.dtype, device)
+            compute = compute_for(ckpt, opts.dtype, device)
+            rt = load_model(ckpt, compute.dtype, device)
             if rt.vocab_size != cache.read(0).shape[-1]:
                 raise InputError(f"{ckpt} produces {rt.vocab_size} logits per token, the baseline {cache.read(0).shape[-1]}")
             task = progress.add_task("evaluate", total=n_blocks, info=ckpt.name)
@@ -220,7 +233,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
                 progress.advance(task, batch.shape[0])
             stats = {k: torch.cat(v) for k, v in parts.items()}
             row = {"checkpoint": str(ckpt), **summarize(stats), **size_figures(ckpt, rt.dtype),
-                   "formats": rt.formats}
+                   "formats": rt.formats, "compute": compute.to_dict()}
             row.update(_extras(rt, base_tok, tasks, opts, device, evaluate_task))
             results.append(row)
             token_kl[str(ckpt)] = stats["kl"].float()

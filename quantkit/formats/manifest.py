@@ -91,6 +91,7 @@ def write_manifest(folder: Path, recipe, summary: dict, handle) -> dict:
         "versions": package_versions(),
         "device": summary["device"],
         "torch_threads": torch.get_num_threads(),
+        "compute": summary.get("compute"),  # the matmul dtype and the speeds it was chosen from
         "wall_seconds": summary["wall_seconds"],
         "peak_rss_bytes": summary["peak_rss_bytes"],
         "scheme": summary["scheme"],

@@ -446,7 +446,8 @@ class AWQ(Method):
             if leader in rescale:
                 r = rescale[leader]
                 h = h / (r[:, None] * r[None, :])
-            h = h.to(torch.bfloat16)
+            if ctx.matmul_dtype == torch.bfloat16:
+                h = h.to(torch.bfloat16)
             with elementwise_threads(h.device):
                 for _, s in candidates:
                     loss = 0.0

@@ -37,7 +37,8 @@ from quantkit.models.source import resolve_model
 from quantkit.pipeline.activations import ActivationStore
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
 from quantkit.pipeline.journal import Journal
-from quantkit.progress import progress_bar
+from quantkit.compute import choose_compute_dtype, matmul_shapes
+from quantkit.progress import announce, progress_bar
 from quantkit.quant.schemes import Scheme, block_fallback, get_scheme
 from quantkit.recipe import Recipe
 
@@ -389,13 +390,6 @@ def quantize_model(
     batch_size = c.batch_size or _auto_batch(c.seq_len)
     n_batches = math.ceil(n_samples / batch_size)
     weight_dtype = handle.source_dtype()
-    # Calibrate in the model's own dtype (bf16 matmuls are ~9x faster than fp32 on CPUs with AMX, and it
-    # is what the model runs in when deployed); statistics are accumulated in fp32 by the methods.
-    # fp32 checkpoints keep fp32 master weights (quantisation sees the exact values) and run their
-    # calibration matmuls under bf16 autocast on CPU, unless float32 compute is asked for.
-    autocast = compute_dtype != "float32" and weight_dtype == torch.float32 and device == "cpu"
-    compute_dtype = torch.float32 if compute_dtype == "float32" or weight_dtype == torch.float32 else weight_dtype
-
     # Every output tensor, in order: non-layer tensors as on disk, then each layer.
     specs: list[TensorSpec] = []
     for name in handle.non_layer_checkpoint_names():
@@ -424,8 +418,19 @@ def quantize_model(
         else:
             raise InputError(f"an unfinished run exists at {partial}; pass --resume to continue it or --overwrite to start over")
     fresh = journal is None
+    # Calibrate in whichever dtype this machine multiplies fastest (measured once per machine; bf16 on CPUs
+    # with AVX-512 BF16 / AMX, fp32 on AVX2-only ones, where bf16 is ~30x slower); statistics are fp32 in the
+    # methods either way. An fp32 model keeps fp32 master weights and runs bf16 under autocast; a bf16 model
+    # computing in fp32 is upcast one layer at a time, so the memory bound of one layer stays. A resumed run
+    # keeps the choice it started with, so its bytes equal an uninterrupted run's.
+    if not fresh and journal.compute:
+        compute_dtype = journal.compute["dtype"]
+    compute = choose_compute_dtype(compute_dtype, weight_dtype, device, matmul_shapes(handle.config))
+    announce(compute.describe())
+    autocast = compute.autocast
+    compute_dtype = torch.float32 if autocast else compute.dtype
     if fresh:
-        journal = Journal(run_key)
+        journal = Journal(run_key, compute=compute.to_dict())
         partial.mkdir(parents=True)
     state_dir = partial / ".state"
     try:
@@ -465,7 +470,8 @@ def quantize_model(
         "scheme": scheme.name,
         "group_size": scheme.weights.group_size if scheme.weights.strategy == "group" else -1,
         "device": device,
-        "compute_dtype": str(compute_dtype).replace("torch.", "") + (" (bf16 autocast)" if autocast else ""),
+        "compute_dtype": compute.name + (" (bf16 autocast)" if autocast else ""),
+        "compute": compute.to_dict(),
         "wall_seconds": round(wall, 3),
         "peak_rss_bytes": _peak_rss(),
         "original_bytes": handle.index.total_bytes(),
@@ -594,6 +600,7 @@ def _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journ
             checkpoint_names={t.local: t.checkpoint for t in plan.targets},
             weight_dtype=weight_dtype,
             adapter=handle.adapter,
+            matmul_dtype=torch.bfloat16 if autocast else compute_dtype,
         )
         nxt = ActivationStore(spill / ("b" if current.folder.name == "a" else "a") if spill else None)
         progress.reset(batch_task, total=2 * n_batches, info=f"layer {i}")

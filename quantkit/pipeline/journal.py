@@ -15,6 +15,7 @@ class Journal:
     non_layer_done: bool = False
     layer_records: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
+    compute: dict | None = None  # the compute dtype choice: a resumed run keeps it, whatever this machine prefers
 
     @staticmethod
     def path(folder: Path) -> Path:
