@@ -1,6 +1,6 @@
 """Per-architecture facts, as data: where the decoder layers are, how checkpoint names map to modules,
-MoE expert layout, which linears must never be quantised, and which norm or linear feeds which linears
-(used by AWQ and SmoothQuant to fold scales)."""
+MoE expert layout and routing, which linears must never be quantised, and which norm or linear feeds which
+linears (used by AWQ and SmoothQuant to fold scales)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,30 @@ class ExpertLayout:
 
 
 @dataclass(frozen=True)
+class RouterLayout:
+    """How a family's sparse-MoE block routes, as far as it is fixed by the architecture.
+
+    The numbers (expert count, top-k, groups, scaling, whether top-k weights are normalised where the
+    family reads it from the config) come from the model config: `quantkit.models.moe.router_spec`.
+    Module names are relative to `block`; shared experts exist only where `shared_size_key` is a non-zero
+    config value (Qwen2-MoE and Qwen3-MoE share one adapter, only Qwen2-MoE has a shared expert).
+    """
+
+    block: str = "mlp"  # the sparse-MoE block inside a decoder layer (dense layers have no `router` there)
+    router: str = "gate"  # the router linear (weight [E, H]), kept unquantised
+    experts: str = "experts"
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    softmax_before_topk: bool = True  # softmax over all experts, then top-k (else top-k logits, then softmax)
+    normalize: bool | None = None  # renormalise the top-k weights; None: the config's norm_topk_prob
+    selection_bias: str | None = None  # router buffer added to the scores for selection only (not the weights)
+    fp32_logits: bool = False  # router matmul upcast to fp32 (else in the model dtype, scores in fp32)
+    weights_in_model_dtype: bool = False  # combine weights rounded to the model dtype before the experts
+    shared_experts: str | None = None  # always-on expert MLP added to the routed output
+    shared_size_key: str | None = None  # config value that sizes the shared experts (0 or absent: none)
+    shared_expert_gate: str | None = None  # linear [1, H]: sigmoid(gate(x)) scales the shared output
+
+
+@dataclass(frozen=True)
 class Smoothing:
     """`source` (a norm, or a linear whose output feeds the targets) scales the input of `targets`."""
 
@@ -37,6 +61,7 @@ class Adapter:
     # checkpoint substring -> module substring (inside a layer), e.g. Mixtral's block_sparse_moe -> mlp
     renames: tuple[tuple[str, str], ...] = ()
     experts: ExpertLayout | None = None
+    router: RouterLayout | None = None
     never_quantize: tuple[str, ...] = ()  # regexes on layer-local module names
     smoothing: tuple[Smoothing, ...] = ()
     attention: str = "gqa"  # "gqa" | "mla"
@@ -111,6 +136,8 @@ ADAPTERS: tuple[Adapter, ...] = (
         ("mixtral",),
         renames=(("block_sparse_moe.", "mlp."),),
         experts=ExpertLayout("mlp.experts", "w1", "w3", "w2"),
+        # transformers' Mixtral: softmax over all experts, top-k, always renormalised (no config switch).
+        router=RouterLayout(normalize=True),
         never_quantize=(r"mlp\.gate",),
         smoothing=(*_MOE_ATTN, *_moe_mlp("w1", "w3", "w2")),
     ),
@@ -118,6 +145,8 @@ ADAPTERS: tuple[Adapter, ...] = (
         "qwen2_moe",
         ("qwen2_moe", "qwen3_moe"),
         experts=_QWEN_MOE_EXPERTS,
+        router=RouterLayout(weights_in_model_dtype=True, shared_experts="shared_expert",
+                            shared_size_key="shared_expert_intermediate_size", shared_expert_gate="shared_expert_gate"),
         never_quantize=_ROUTERS,
         smoothing=(
             *_MOE_ATTN,
@@ -130,6 +159,10 @@ ADAPTERS: tuple[Adapter, ...] = (
         "deepseek_v3",
         ("deepseek_v3",),
         experts=_QWEN_MOE_EXPERTS,
+        # Sigmoid scores, group-limited top-k on scores + e_score_correction_bias, weights from the plain
+        # scores, normalised per config, times routed_scaling_factor; the router runs in fp32.
+        router=RouterLayout(scoring="sigmoid", selection_bias="e_score_correction_bias", fp32_logits=True,
+                            shared_experts="shared_experts", shared_size_key="n_shared_experts"),
         never_quantize=(r"mlp\.gate",),
         smoothing=(
             *_MLA,

@@ -2,5 +2,7 @@
 
 from quantkit.runtime.generate import GenerationResult, generate
 from quantkit.runtime.model import RuntimeModel, load_model
+from quantkit.runtime.moe import Routing, RuntimeMoE, moe_blocks, observe_routing, override_routing
 
-__all__ = ["GenerationResult", "RuntimeModel", "generate", "load_model"]
+__all__ = ["GenerationResult", "Routing", "RuntimeMoE", "RuntimeModel", "generate", "load_model", "moe_blocks",
+           "observe_routing", "override_routing"]

@@ -2,7 +2,8 @@
 
 The transformers skeleton is built from config.json (without its quantization_config) on the meta
 device, so every architecture transformers knows keeps its own attention, norms and rotary code. Fused
-MoE experts become per-expert modules (`UnfusedExperts`); every linear that has quantised tensors on
+MoE experts become per-expert modules (`UnfusedExperts`) and sparse-MoE blocks the runtime's own
+`RuntimeMoE` (explicit router, observer hooks: `runtime/moe.py`); every linear that has quantised tensors on
 disk becomes a `QuantLinear`; everything else is read from the safetensors as it is.
 """
 
@@ -25,6 +26,7 @@ from quantkit.models.safetensors_index import SafetensorsIndex
 from quantkit.models.source import ResolvedModel
 from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS, QuantConfig, parse_quantization_config
 from quantkit.runtime.linear import QuantLinear
+from quantkit.runtime.moe import install_runtime_moe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -133,8 +135,9 @@ def _read(index: SafetensorsIndex, name: str, device, dtype=None) -> torch.Tenso
 
 @torch.no_grad()
 def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-               trust_remote_code: bool = False) -> RuntimeModel:
-    """Build the runtime model; `dtype` None = the checkpoint's own dtype (what its consumers compute in)."""
+               trust_remote_code: bool = False, runtime_moe: bool = True) -> RuntimeModel:
+    """Build the runtime model; `dtype` None = the checkpoint's own dtype (what its consumers compute in).
+    `runtime_moe` False keeps transformers' own sparse-MoE blocks (no router hooks; an oracle for tests)."""
     path = check_model_folder(Path(path))
     config, qc_raw, model = _skeleton(path, trust_remote_code)
     if qc_raw and qc_raw.get("quant_method") == "fp8":
@@ -150,6 +153,8 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
     except AttributeError:
         raise InputError(f"{path}: cannot find decoder layers at {adapter.layers_path}") from None
     _unfuse_all_experts(handle)
+    if runtime_moe:
+        install_runtime_moe(handle.layers(), adapter, config)  # before loading: children keep their names
 
     formats: Counter = Counter()
     for name, module in list(model.named_modules()):

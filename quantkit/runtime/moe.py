@@ -1,0 +1,236 @@
+"""The runtime's sparse-MoE block: an explicit router, observer and selection-override hooks, top-k dispatch.
+
+`RuntimeMoE` replaces a transformers sparse-MoE block at load and keeps its children under their own names
+(router, per-expert linears, shared experts), so checkpoint names and `QuantLinear` replacement are unchanged.
+One forward: router logits from the (unquantised) router weight -> `route` (scores, selection with group
+limits and the selection bias, combine weights) -> selection overrides -> observers -> each selected expert
+runs on the tokens routed to it only -> plus the shared experts.
+
+Hooks (per block, or over a whole model with the context managers):
+
+- observer `fn(layer_index, token_count, selected [T, k], weights [T, k], scores [T, E])`, called once per
+  forward with the routing the experts run (after overrides); scores are the full fp32 router scores.
+- override `fn(layer_index, routing: Routing, hidden [T, H]) -> Routing | None`: return a replacement
+  (`dataclasses.replace(routing, selected=..., weights=...)`, any k) or None to keep it. An expert index
+  outside [0, E) marks a dropped slot (capacity limits): it runs nothing. Overrides chain in order added.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from quantkit.errors import InputError
+from quantkit.models.adapters import Adapter
+from quantkit.models.experts import UnfusedExperts
+from quantkit.models.loader import _get, _set
+from quantkit.models.moe import RouterSpec, router_spec
+
+
+@dataclass(frozen=True)
+class Routing:
+    logits: torch.Tensor  # [T, E] router logits
+    scores: torch.Tensor  # [T, E] fp32 softmax/sigmoid scores (before any selection bias)
+    selected: torch.Tensor  # [T, k] expert indices (int64)
+    weights: torch.Tensor  # [T, k] combine weights
+
+
+RouterObserver = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+SelectionOverride = Callable[[int, Routing, torch.Tensor], "Routing | None"]
+
+
+def _group_mask(spec: RouterSpec, choice: torch.Tensor) -> torch.Tensor:
+    """Keep only experts of the topk_group groups with the best sum of their two best scores."""
+    per_group = spec.num_experts // spec.n_group
+    grouped = choice.view(choice.shape[0], spec.n_group, per_group)
+    group_score = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)  # [T, n_group]
+    best = group_score.topk(spec.topk_group, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+
+
+def route(spec: RouterSpec, logits: torch.Tensor, bias: torch.Tensor | None = None,
+          weights_dtype: torch.dtype | None = None) -> Routing:
+    """Scores, selected experts and combine weights from router logits [T, E]."""
+    scores = logits.float().softmax(dim=-1) if spec.scoring == "softmax" else logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if spec.group_limited:
+        choice = _group_mask(spec, choice)
+    if spec.scoring == "softmax" and not spec.softmax_before_topk:
+        # Mistral's reference order: top-k on the logits, softmax over the k (normalised by construction).
+        top_logits, selected = logits.float().topk(spec.top_k, dim=-1)
+        weights = top_logits.softmax(dim=-1)
+    else:
+        selected = choice.topk(spec.top_k, dim=-1).indices
+        # The selection bias only picks experts; the weights are the unbiased scores.
+        weights = scores.gather(1, selected)
+        if spec.normalize_topk:
+            # The epsilon only guards a row of all-zero sigmoid scores; it is below fp32 resolution otherwise.
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if spec.routed_scaling_factor != 1.0:
+        weights = weights * spec.routed_scaling_factor
+    if spec.weights_in_model_dtype and weights_dtype is not None:
+        weights = weights.to(weights_dtype)
+    return Routing(logits, scores, selected, weights)
+
+
+class RuntimeMoE(nn.Module):
+    """One sparse-MoE layer routed by `spec`; `layer_index` is the decoder layer's index (what hooks receive)."""
+
+    def __init__(self, block: nn.Module, spec: RouterSpec, layer_index: int):
+        super().__init__()
+        # The block's own children under their own names: checkpoint tensors and QuantLinear swaps find them.
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        self.spec = spec
+        self.layer_index = layer_index
+        # OrderedDict, not dict: RemovableHandle keeps a weak reference to it; order = registration order.
+        self._observers: OrderedDict[int, RouterObserver] = OrderedDict()
+        self._overrides: OrderedDict[int, SelectionOverride] = OrderedDict()
+
+    def add_router_observer(self, fn: RouterObserver) -> RemovableHandle:
+        handle = RemovableHandle(self._observers)
+        self._observers[handle.id] = fn
+        return handle
+
+    def add_selection_override(self, fn: SelectionOverride) -> RemovableHandle:
+        handle = RemovableHandle(self._overrides)
+        self._overrides[handle.id] = fn
+        return handle
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        weight = getattr(self, self.spec.router).weight
+        if self.spec.fp32_logits:
+            return F.linear(x.float(), weight.float())
+        return F.linear(x, weight)
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """The block's own routing of tokens x [T, H] (no overrides)."""
+        router = getattr(self, self.spec.router)
+        bias = getattr(router, self.spec.selection_bias) if self.spec.selection_bias else None
+        return route(self.spec, self.router_logits(x), bias, weights_dtype=x.dtype)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        routing = self.route(x)
+        for fn in list(self._overrides.values()):
+            routing = self._checked(fn(self.layer_index, routing, x), routing, x.shape[0])
+        for fn in list(self._observers.values()):
+            fn(self.layer_index, x.shape[0], routing.selected, routing.weights, routing.scores)
+        out = self.run_experts(x, routing.selected, routing.weights)
+        if self.spec.shared_experts:
+            shared = getattr(self, self.spec.shared_experts)(x)
+            if self.spec.shared_expert_gate:
+                shared = torch.sigmoid(getattr(self, self.spec.shared_expert_gate)(x)) * shared
+            out = out + shared
+        return out.reshape(shape)
+
+    @staticmethod
+    def _checked(new: Routing | None, old: Routing, tokens: int) -> Routing:
+        if new is None:
+            return old
+        if new.selected.shape != new.weights.shape or new.selected.dim() != 2 or new.selected.shape[0] != tokens:
+            raise ValueError(f"selection override returned selected {tuple(new.selected.shape)} and weights "
+                             f"{tuple(new.weights.shape)}; expected both [{tokens}, k]")
+        return new
+
+    def run_experts(self, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sum over slots of weight * expert(x), each expert run once on only the tokens routed to it."""
+        experts = getattr(self, self.spec.experts)
+        n, k = selected.shape
+        num_experts = self.spec.num_experts
+        flat = selected.reshape(-1)
+        # Dropped slots (index outside [0, E)) sort into an extra bucket that is never run.
+        bucket = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+        # Stable: within an expert, tokens stay in order (the same row order as UnfusedExperts).
+        order = torch.argsort(bucket, stable=True)
+        counts = torch.bincount(bucket, minlength=num_experts + 1).tolist()  # one host sync per block
+        flat_weights = weights.reshape(-1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts[:num_experts]):
+            if count:
+                slots = order[start:start + count]
+                tokens = slots // k
+                routed = experts[e](x[tokens]) * flat_weights[slots, None]
+                out.index_add_(0, tokens, routed.to(out.dtype))
+            start += count
+        return out
+
+
+def _is_sparse_block(block: nn.Module, spec: RouterSpec) -> bool:
+    """A sparse-MoE block has the router and the unfused experts; dense layers (DeepSeek's first_k_dense_replace,
+    Qwen's mlp_only_layers / decoder_sparse_step) have a plain MLP there and are left alone."""
+    router = getattr(block, spec.router, None)
+    weight = getattr(router, "weight", None)
+    experts = getattr(block, spec.experts, None)
+    return isinstance(experts, UnfusedExperts) and weight is not None and weight.shape[0] == spec.num_experts
+
+
+def _check_block(block: nn.Module, spec: RouterSpec, where: str) -> None:
+    """Fail loudly where the block lacks what the spec names: a silent fallback would hide routing from observers."""
+    missing = [n for n in (spec.shared_experts, spec.shared_expert_gate) if n and not hasattr(block, n)]
+    if spec.selection_bias and not hasattr(getattr(block, spec.router), spec.selection_bias):
+        missing.append(f"{spec.router}.{spec.selection_bias}")
+    if missing:
+        raise InputError(f"{where}: the MoE block has no {', '.join(missing)}, which its router layout names")
+    if list(block.named_parameters(recurse=False)) or list(block.named_buffers(recurse=False)):
+        raise InputError(f"{where}: the MoE block holds tensors of its own, which RuntimeMoE would drop")
+
+
+def install_runtime_moe(layers: nn.ModuleList, adapter: Adapter, config) -> int:
+    """Replace every sparse-MoE block in `layers` by a RuntimeMoE; returns how many were replaced."""
+    spec = router_spec(adapter, config)
+    if spec is None:
+        return 0
+    block_path = adapter.router.block
+    replaced = 0
+    for i, layer in enumerate(layers):
+        try:
+            block = _get(layer, block_path)
+        except AttributeError:
+            continue
+        if not _is_sparse_block(block, spec):
+            continue
+        _check_block(block, spec, f"layer {i}")
+        _set(layer, block_path, RuntimeMoE(block, spec, i))
+        replaced += 1
+    return replaced
+
+
+def moe_blocks(model) -> list[RuntimeMoE]:
+    """The RuntimeMoE blocks of an nn.Module or of a RuntimeModel (which wraps one as `.model`)."""
+    net = model if isinstance(model, nn.Module) else model.model
+    return [m for m in net.modules() if isinstance(m, RuntimeMoE)]
+
+
+@contextmanager
+def observe_routing(model, fn: RouterObserver) -> Iterator[list[RuntimeMoE]]:
+    """`fn` observes every RuntimeMoE of `model` inside the block; yields those blocks."""
+    blocks = moe_blocks(model)
+    handles = [b.add_router_observer(fn) for b in blocks]
+    try:
+        yield blocks
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def override_routing(model, fn: SelectionOverride) -> Iterator[list[RuntimeMoE]]:
+    """`fn` may replace the routing of every RuntimeMoE of `model` inside the block; yields those blocks."""
+    blocks = moe_blocks(model)
+    handles = [b.add_selection_override(fn) for b in blocks]
+    try:
+        yield blocks
+    finally:
+        for h in handles:
+            h.remove()
