@@ -284,6 +284,14 @@ def eval_cmd(
     tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Multiple-choice JSONL file(s) or built-in set names ('builtin'); repeatable or comma-separated."),
     lm_eval: Optional[str] = typer.Option(None, "--lm-eval", help="lm-evaluation-harness tasks (comma-separated; needs lm-eval)."),
     throughput: bool = typer.Option(False, "--throughput", help="Measure prefill/decode tokens/s, time to first token, peak memory."),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help="Draft for speculative decoding: a checkpoint folder (same tokenizer), self:W4A8, self:W4A4 (QSPEC) or ngram."),
+    draft_tokens: int = typer.Option(4, "--draft-tokens", help="Draft tokens per step (chain length; tree depth)."),
+    tree: str = typer.Option("chain", "--tree", help="chain, static:WIDTHxDEPTH, dynamic:NODES (EAGLE-2) or opt:NODES (OPT-Tree)."),
+    prompts: str = typer.Option("builtin", "--prompts", help="Prompts for --speculative: builtin (32 held-out KJV + 32 chat) or a .jsonl/.txt file."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens generated per prompt (speculative decoding)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples (lossless rejection sampling)."),
+    speculative_grid: bool = typer.Option(False, "--speculative-grid", help="Every checkpoint as draft of every other."),
+    save_outputs: Optional[Path] = typer.Option(None, "--save-outputs", help="Write one JSON line per prompt (prompt_index, tokens)."),
     report: Optional[Path] = typer.Option(None, "--report", help="Write report.json, report.md and PNG plots to this folder."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Gate: fail (exit 3) if mean KL exceeds this."),
@@ -300,12 +308,16 @@ def eval_cmd(
     def body():
         from quantkit.eval.report import print_table, write_report
         from quantkit.eval.runner import EvalOptions, run_eval
+        from quantkit.eval.speculative import SpecOptions
 
         opts = EvalOptions(
             checkpoints=list(checkpoints), baseline=baseline, dataset=dataset, num_samples=num_samples,
             seq_len=seq_len, seed=seed, text_column=text_column, tasks=list(tasks or []), lm_eval_tasks=lm_eval,
             throughput=throughput, device=device, dtype=dtype, batch_size=batch_size, max_kl=max_kl,
             max_ppl_increase=max_ppl_increase, min_top1=min_top1,
+            speculative=SpecOptions(draft=speculative, draft_tokens=draft_tokens, tree=tree, prompts=prompts,
+                                    max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                    grid=speculative_grid, save_outputs=save_outputs),
         )
         run = run_eval(opts)
         if report is not None:

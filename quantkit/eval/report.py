@@ -8,6 +8,14 @@ from pathlib import Path
 QUALITY_COLUMNS = ("ppl", "ppl_base", "ppl_increase_pct", "kl_mean", "kl_median", "kl_p90", "kl_p99", "kl_max",
                    "top1_agree", "delta_p_mean", "delta_p_rms", "size_bytes", "bits_per_weight")
 THROUGHPUT_COLUMNS = ("prefill_tok_s", "decode_tok_s_b1", "decode_tok_s_b8", "ttft_ms", "peak_memory_bytes")
+SPEC_COLUMNS = ("draft", "tree", "temperature", "acceptance_rate", "mean_accepted_length", "tokens_per_s",
+                "plain_tokens_per_s", "speedup", "identical_to_plain", "draft_seconds", "verify_seconds")
+
+
+def speculative_rows(report: dict) -> list[tuple[str, dict]]:
+    """(target, metrics) of every speculative run: --speculative per checkpoint, and the --speculative-grid."""
+    rows = [(r["checkpoint"], r["speculative"]) for r in report["results"] if "speculative" in r]
+    return rows + [(g["target"], g) for g in report.get("speculative_grid", [])]
 
 
 def _cell(v) -> str:
@@ -47,6 +55,13 @@ def render_markdown(report: dict) -> str:
         out += ["## Throughput", ""]
         out += _table(["model", *THROUGHPUT_COLUMNS], [[name, *(r.get("throughput", {}).get(c) for c in THROUGHPUT_COLUMNS)]
                                                      for name, r in _rows_with_baseline(report)])
+    spec = speculative_rows(report)
+    if spec:
+        out += ["## Speculative decoding", ""]
+        out += _table(["target", *SPEC_COLUMNS], [[t, *(m.get(c) for c in SPEC_COLUMNS)] for t, m in spec])
+        depth = max(len(m["per_position_acceptance"]) for _, m in spec)
+        out += _table(["target", "draft", *[f"pos {d + 1}" for d in range(depth)]],
+                      [[t, m["draft"], *(m["per_position_acceptance"] + [None] * depth)[:depth]] for t, m in spec])
     if report["gates"]:
         out += ["## Gates", ""]
         out += _table(["checkpoint", "gate", "metric", "threshold", "value", "passed"],
@@ -102,6 +117,21 @@ def write_plots(folder: Path, report: dict, token_kl: dict) -> list[str]:
         fig.savefig(folder / "throughput.png", dpi=110)
         written.append("throughput.png")
         plt.close(fig)
+    spec = speculative_rows(report)
+    if spec:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for target, m in spec:
+            acc = m["per_position_acceptance"]
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{Path(target).name} <- {Path(m['draft']).name}")
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance")
+        ax.set_ylim(0, 1.05)
+        ax.set_title("speculative acceptance by draft position")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(folder / "speculative_acceptance.png", dpi=110)
+        written.append("speculative_acceptance.png")
+        plt.close(fig)
     return written
 
 
@@ -131,6 +161,10 @@ def print_table(console, report: dict) -> None:
             t = r["throughput"]
             console.print(f"{name}: prefill {t['prefill_tok_s']} tok/s, decode b1 {t.get('decode_tok_s_b1')} tok/s, "
                           f"b8 {t.get('decode_tok_s_b8')} tok/s, ttft {t['ttft_ms']} ms, peak {t['peak_memory_bytes'] / 1e6:.0f} MB")
+    for target, m in speculative_rows(report):
+        console.print(f"{target} <- {m['draft']} ({m['tree']}, T={m['temperature']}): acceptance {m['acceptance_rate']}, "
+                      f"mean accepted length {m['mean_accepted_length']}, {m['tokens_per_s']} tok/s vs plain "
+                      f"{m['plain_tokens_per_s']} (speed-up {m['speedup']}x), identical to plain: {m['identical_to_plain']}")
     for g in report["gates"]:
         mark = "[green]pass[/]" if g["passed"] else "[bold red]FAIL[/]"
         console.print(f"gate {g['gate']} on {g['checkpoint']}: {g['metric']} = {g['value']} (threshold {g['threshold']}) {mark}")

@@ -13,6 +13,7 @@ import torch
 
 from quantkit.errors import InputError, QuantkitError
 from quantkit.eval.baseline import BaselineCache
+from quantkit.eval.speculative import SpecOptions
 from quantkit.eval.metrics import TOKEN_FIELDS, nll_only, perplexity, summarize, token_stats
 from quantkit.formats.manifest import MANIFEST, package_versions, quantized_weight_stats, verify_manifest
 from quantkit.compute import ComputeChoice, choose_compute_dtype, matmul_shapes
@@ -39,6 +40,7 @@ class EvalOptions:
     max_ppl_increase: float | None = None
     min_top1: float | None = None
     cache_dir: Path | None = None
+    speculative: SpecOptions = field(default_factory=SpecOptions)
 
 
 @dataclass
@@ -175,6 +177,13 @@ def run_eval(opts: EvalOptions) -> EvalRun:
     from quantkit.eval.tasks import evaluate_task, resolve_tasks
 
     tasks = resolve_tasks(opts.tasks) if opts.tasks else {}
+    spec = opts.speculative
+    if spec.enabled or spec.save_outputs:
+        from quantkit.eval import speculative as spec_eval
+
+        spec_eval.validate(spec)
+        if spec.grid and len(checkpoints) < 2:
+            raise InputError("--speculative-grid needs at least two checkpoints (each drafts for every other)")
     base_src = resolve_model(opts.baseline if opts.baseline else default_baseline(checkpoints[0]))
     base_path = check_model_folder(base_src.path, "baseline")
     base_tok = _tokenizer(base_path)
@@ -182,6 +191,10 @@ def run_eval(opts: EvalOptions) -> EvalRun:
         raise InputError(f"baseline {base_path} has no tokenizer that transformers can load")
     for ckpt in checkpoints:
         check_compatible(base_path, base_tok, ckpt)
+    prompts = None
+    if spec.enabled or spec.save_outputs:
+        prompts = spec_eval.load_prompts(spec.prompts, base_tok, spec.seed)
+        spec_eval.check_context(prompts, spec, read_config_object(base_path))
     data = build_token_blocks(base_tok, opts.dataset, opts.num_samples, opts.seq_len, opts.seed, split="heldout",
                               text_column=opts.text_column)
     ids = data.input_ids
@@ -216,7 +229,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
             baseline.update(_extras(base, base_tok, tasks, opts, device, evaluate_task))
         del base
 
-        results, token_kl = [], {}
+        results, token_kl, outputs = [], {}, []
         for ckpt in checkpoints:
             compute = compute_for(ckpt, opts.dtype, device)
             rt = load_model(ckpt, compute.dtype, device)
@@ -235,10 +248,16 @@ def run_eval(opts: EvalOptions) -> EvalRun:
             row = {"checkpoint": str(ckpt), **summarize(stats), **size_figures(ckpt, rt.dtype),
                    "formats": rt.formats, "compute": compute.to_dict()}
             row.update(_extras(rt, base_tok, tasks, opts, device, evaluate_task))
+            if prompts is not None and not spec.grid:
+                outputs.extend(_speculative_row(row, rt, str(ckpt), base_tok, prompts, spec, compute.dtype, device,
+                                                progress))
             results.append(row)
             token_kl[str(ckpt)] = stats["kl"].float()
             del rt
 
+    grid = _speculative_grid(checkpoints, base_tok, prompts, spec, opts, device, progress) if spec.grid else None
+    if spec.save_outputs:
+        spec_eval.save_outputs(spec.save_outputs, outputs or (grid or {}).get("outputs", []))
     results = _round(results)
     report = {
         "results": results,
@@ -249,7 +268,57 @@ def run_eval(opts: EvalOptions) -> EvalRun:
         "versions": package_versions(),
         "wall_seconds": round(time.perf_counter() - started, 2),
     }
+    if grid is not None:
+        report["speculative_grid"] = _round(grid["rows"])
     return EvalRun(report, token_kl)
+
+
+def read_config_object(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def _speculative_row(row: dict, rt: RuntimeModel, label: str, tokenizer, prompts, spec: SpecOptions, dtype, device,
+                     progress) -> list[dict]:
+    """Plain decoding of the prompts (always: the reference and the speed baseline), then speculative decoding
+    with --speculative when given; returns the outputs to save."""
+    from quantkit.eval import speculative as spec_eval
+
+    eos = tokenizer.eos_token_id
+    task = progress.add_task("plain decode", total=1, info=Path(label).name)
+    plain = spec_eval.plain_outputs(rt, prompts, spec, eos)
+    progress.advance(task)
+    if not spec.draft:
+        return spec_eval.output_lines(label, plain["tokens"], speculative=False)
+    draft = spec_eval.make_draft(spec.draft, rt, tokenizer, dtype, device, label)
+    task = progress.add_task("speculative", total=len(prompts), info=f"{Path(label).name} <- {spec.draft}")
+    result = spec_eval.run_draft(rt, draft, prompts, spec, plain, eos, lambda: progress.advance(task))
+    outs = result.pop("outputs")
+    row["speculative"] = result
+    return spec_eval.output_lines(label, outs, speculative=True)
+
+
+def _speculative_grid(checkpoints, tokenizer, prompts, spec: SpecOptions, opts: EvalOptions, device, progress) -> dict:
+    """Every checkpoint as the draft of every other: which quantisation drafts best for a target, and which target
+    keeps the acceptance of a given draft."""
+    from quantkit.eval import speculative as spec_eval
+    from quantkit.runtime.speculative import ModelDraft
+
+    eos = tokenizer.eos_token_id
+    models = {str(c): load_model(c, compute_for(c, opts.dtype, device).dtype, device) for c in checkpoints}
+    rows, outputs = [], []
+    for target, rt in models.items():
+        plain = spec_eval.plain_outputs(rt, prompts, spec, eos)
+        for name, other in models.items():
+            if name == target:
+                continue
+            task = progress.add_task("speculative", total=len(prompts), info=f"{Path(target).name} <- {Path(name).name}")
+            r = spec_eval.run_draft(rt, ModelDraft(other, name), prompts, spec, plain, eos,
+                                    lambda: progress.advance(task))
+            outputs += spec_eval.output_lines(target, r.pop("outputs"), speculative=True, draft=name)
+            rows.append({"target": target, **r})
+    return {"rows": rows, "outputs": outputs}
 
 
 def _extras(rt: RuntimeModel, tokenizer, tasks: dict, opts: EvalOptions, device, evaluate_task) -> dict:

@@ -1,0 +1,217 @@
+"""`quantkit eval --speculative`: how well a checkpoint drafts for, and verifies, speculative decoding.
+
+For each target: plain decoding of every prompt (the reference output and the speed baseline, same loop and
+cache code), then speculative decoding with the draft; acceptance rate (accepted draft tokens over the most
+each step could accept: the tree's depth), mean accepted length (1 + accepted / steps), acceptance per draft
+position, draft and verify time, tokens/s and the speed-up, and whether every greedy output is identical to
+plain decoding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit.errors import InputError
+
+BUILTIN_CHAT = Path(__file__).resolve().parents[1] / "builtin" / "prompts" / "chat.jsonl"
+DRAFT_KINDS = "a checkpoint folder, self:W4A8, self:W4A4 or ngram"
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    draft: str | None = None  # the --speculative value
+    draft_tokens: int = 4
+    tree: str = "chain"
+    prompts: str = "builtin"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    grid: bool = False
+    save_outputs: Path | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.draft) or self.grid
+
+
+def validate(opts: SpecOptions) -> None:
+    from quantkit.runtime.speculative import parse_tree
+
+    parse_tree(opts.tree, opts.draft_tokens)
+    if opts.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {opts.max_new_tokens}")
+    if opts.temperature < 0:
+        raise InputError(f"--temperature must be >= 0, got {opts.temperature}")
+    if opts.draft and opts.draft.startswith(("medusa:", "eagle:")):
+        raise InputError(f"--speculative {opts.draft}: Medusa / EAGLE heads are not supported yet; use {DRAFT_KINDS}")
+    if opts.draft == "ngram" and opts.tree.split(":")[0] not in ("chain", "static"):
+        raise InputError("--speculative ngram drafts chains and static trees only (--tree chain or static:WxD)")
+
+
+def load_prompts(source: str, tokenizer, seed: int = 0) -> list[list[int]]:
+    """Token ids of each prompt: `builtin` = 32 held-out KJV openings (48 tokens) + 32 chat-style requests (in the
+    tokenizer's chat template where it has one); or a .jsonl file ({"prompt": str} per line) / .txt file (one per
+    line)."""
+    if source == "builtin":
+        from quantkit.data.calibration import build_token_blocks
+
+        kjv = build_token_blocks(tokenizer, "kjv", 32, 48, seed=seed, split="heldout").input_ids.tolist()
+        return kjv + [_encode(tokenizer, p) for p in _read_prompt_file(BUILTIN_CHAT)]
+    path = Path(source)
+    if not path.is_file():
+        raise InputError(f"prompt file {path} does not exist (or use --prompts builtin)")
+    return [_encode(tokenizer, p) for p in _read_prompt_file(path)]
+
+
+def _read_prompt_file(path: Path) -> list[str]:
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            if path.suffix != ".jsonl":
+                out.append(line.rstrip("\n"))
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+                raise InputError(f'{path}:{n}: expected an object with a non-empty "prompt" string')
+            out.append(row["prompt"])
+    if not out:
+        raise InputError(f"prompt file {path} has no prompts")
+    return out
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return list(ids)
+    return tokenizer(text).input_ids
+
+
+def check_same_tokenizer(target_tok, draft_tok, target: str, draft: str) -> None:
+    if draft_tok is None:
+        raise InputError(f"draft {draft} has no tokenizer that transformers can load")
+    a, b = target_tok.get_vocab(), draft_tok.get_vocab()
+    if a != b:
+        if len(a) != len(b):
+            why = f"vocabulary sizes {len(a)} and {len(b)}"
+        else:
+            tok = next(t for t in sorted(a) if a.get(t) != b.get(t))
+            why = f"token {tok!r} is id {a.get(tok)} in the target and {b.get(tok)} in the draft"
+        raise InputError(f"draft {draft} does not share the target's tokenizer ({why}); speculative decoding "
+                         f"needs the same token ids")
+
+
+def make_draft(spec: str, target_rt, target_tok, dtype, device, label: str):
+    from quantkit.eval.runner import _tokenizer, check_checkpoint
+    from quantkit.runtime.model import load_model
+    from quantkit.runtime.speculative import ModelDraft, NgramDraft, self_draft
+
+    if spec == "ngram":
+        return NgramDraft()
+    if spec.startswith("self:"):
+        return self_draft(target_rt, spec.split(":", 1)[1])
+    path = Path(spec)
+    if not path.exists():
+        raise InputError(f"draft {spec!r} is neither {DRAFT_KINDS}")
+    path = check_checkpoint(path)
+    check_same_tokenizer(target_tok, _tokenizer(path), label, str(path))
+    return ModelDraft(load_model(path, dtype, device), str(path))
+
+
+def check_context(prompts: list[list[int]], opts: SpecOptions, config) -> None:
+    from quantkit.runtime.speculative import parse_tree
+
+    limit = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                    "max_position_embeddings", None)
+    nodes = parse_tree(opts.tree, opts.draft_tokens).max_nodes
+    need = max(len(p) for p in prompts) + opts.max_new_tokens + nodes + 1
+    if limit and need > limit:
+        raise InputError(f"the longest prompt + --max-new-tokens + the tree's {nodes} nodes need {need} positions "
+                         f"but the model has {limit}; use a smaller tree or fewer new tokens")
+
+
+def plain_outputs(target_rt, prompts: list[list[int]], opts: SpecOptions, eos: int | None) -> dict:
+    from quantkit.runtime.speculative.decode import plain_generate
+
+    tokens, seconds = [], 0.0
+    for i, p in enumerate(prompts):
+        out, s = plain_generate(target_rt, p, opts.max_new_tokens, opts.temperature, opts.seed + i, eos)
+        tokens.append(out)
+        seconds += s
+    return {"tokens": tokens, "seconds": seconds, "generated": sum(len(t) for t in tokens)}
+
+
+def run_draft(target_rt, draft, prompts: list[list[int]], opts: SpecOptions, plain: dict, eos: int | None,
+              progress=None) -> dict:
+    """Speculative decoding of every prompt with `draft`; the metrics, keyed as the JSON report keeps them."""
+    from quantkit.runtime.speculative import SpecConfig, parse_tree, speculative_generate
+    from quantkit.runtime.speculative.trees import AcceptanceRates
+
+    tree = parse_tree(opts.tree, opts.draft_tokens)
+    rates = AcceptanceRates()  # OPT-Tree learns the acceptance of this draft on this target across prompts
+    outs, totals = [], {"steps": 0, "accepted": 0, "depth": 0, "draft_s": 0.0, "verify_s": 0.0, "wall": 0.0}
+    drafted: list[int] = []
+    accepted: list[int] = []
+    for i, p in enumerate(prompts):
+        cfg = SpecConfig(tree=tree, max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
+                         seed=opts.seed + i, eos_token_id=eos)
+        r = speculative_generate(target_rt, draft, p, cfg, rates)
+        outs.append(r.tokens)
+        totals["steps"] += r.steps
+        totals["accepted"] += r.accepted
+        totals["depth"] += r.drafted_depth
+        totals["draft_s"] += r.draft_seconds
+        totals["verify_s"] += r.verify_seconds
+        totals["wall"] += r.wall_seconds
+        for d, (n, a) in enumerate(zip(r.per_position_drafted, r.per_position_accepted)):
+            if d >= len(drafted):
+                drafted.append(0)
+                accepted.append(0)
+            drafted[d] += n
+            accepted[d] += a
+        if progress:
+            progress()
+    generated = sum(len(t) for t in outs)
+    tps = generated / totals["wall"] if totals["wall"] else 0.0
+    plain_tps = plain["generated"] / plain["seconds"] if plain["seconds"] else 0.0
+    identical = all(a == b for a, b in zip(outs, plain["tokens"])) if opts.temperature <= 0 else None
+    return {
+        "draft": getattr(draft, "name", str(draft)),
+        "tree": tree.describe(),
+        "temperature": opts.temperature,
+        "acceptance_rate": totals["accepted"] / totals["depth"] if totals["depth"] else 0.0,
+        "mean_accepted_length": 1 + totals["accepted"] / totals["steps"] if totals["steps"] else 1.0,
+        "per_position_acceptance": [a / n if n else 0.0 for a, n in zip(accepted, drafted)],
+        "draft_seconds": totals["draft_s"],
+        "verify_seconds": totals["verify_s"],
+        "tokens_per_s": tps,
+        "plain_tokens_per_s": plain_tps,
+        "speedup": tps / plain_tps if plain_tps else 0.0,
+        "identical_to_plain": identical,
+        "prompts": len(prompts),
+        "generated_tokens": generated,
+        "outputs": outs,
+    }
+
+
+def output_lines(checkpoint: str, outputs: list[list[int]], speculative: bool, draft: str | None = None) -> list[dict]:
+    return [{"checkpoint": checkpoint, "prompt_index": i, "tokens": t, "speculative": speculative,
+             **({"draft": draft} if draft else {})} for i, t in enumerate(outputs)]
+
+
+def save_outputs(path: Path, lines: list[dict]) -> None:
+    """One JSON line per prompt (and checkpoint): `prompt_index`, `tokens`; written whole or not at all."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for line in lines:
+            fh.write(json.dumps(line) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,185 @@
+"""Draft sources: another model (any checkpoint with the target's tokenizer), the target itself with quantised
+activations (QSPEC: `self:W4A8`, `self:W4A4`), and prompt lookup (`ngram`).
+
+Every source answers `propose(context, spec, temperature, generator, rates) -> DraftTree`. Model drafts grow
+the tree with their own forward passes over a KV cache: a separate draft keeps the committed text in its own
+cache; the QSPEC draft writes into the target's cache and crops it back, so the verify pass rewrites the drafted
+positions at full precision: one copy of the weights, one cache.
+(Medusa / EAGLE heads would be one more source: a class with the same `propose`.)
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from quantkit.runtime.speculative.trees import (AcceptanceRates, DraftTree, TreeSpec, build_dynamic, build_opt,
+                                                build_static, opt_shape)
+from quantkit.runtime.step import KVCache, step
+
+NGRAM_MAX = 3  # longest suffix matched by prompt lookup (vLLM and llama.cpp use 1..3/4 too)
+
+
+class DraftSource(Protocol):
+    name: str
+    shares_target_cache: bool
+
+    def reset(self, target_cache: KVCache) -> None: ...
+
+    def propose(self, context: list[int], spec: TreeSpec, temperature: float, generator: torch.Generator | None,
+                rates: AcceptanceRates) -> DraftTree: ...
+
+
+def _network(model) -> nn.Module:
+    from quantkit.runtime.model import RuntimeModel
+
+    return model.model if isinstance(model, RuntimeModel) else model
+
+
+@contextmanager
+def quantized_activations(model, bits: int):
+    """Every linear inside the decoder layers sees its input fake-quantised per token to `bits`-bit symmetric
+    integers (absmax scale, as the consumers' dynamic per-token activation quantisation does); the weights and
+    the cache are untouched. The LM head keeps full-precision inputs (QSPEC quantises the decoder's linears)."""
+    from quantkit.runtime.formats import TensorArgs
+    from quantkit.runtime.reference import quantize_activation
+
+    args = TensorArgs(type="int", num_bits=bits, symmetric=True, strategy="token", dynamic=True)
+    net = _network(model)
+    head = net.get_output_embeddings()
+
+    def hook(module, inputs):
+        return (quantize_activation(inputs[0], args),) + tuple(inputs[1:])
+
+    handles = [m.register_forward_pre_hook(hook) for m in net.modules()
+               if m is not head and (isinstance(m, nn.Linear) or type(m).__name__ == "QuantLinear")]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class ModelDraft:
+    """A draft model: `model` with its own cache, or (QSPEC) the target with quantised activations on the target's
+    cache (`activation_bits`, `shares_target_cache`)."""
+
+    def __init__(self, model, name: str, activation_bits: int | None = None):
+        self.model = model
+        self.name = name
+        self.activation_bits = activation_bits
+        self.shares_target_cache = activation_bits is not None
+        self.cache = KVCache()
+        self._temperature = 1.0
+
+    def reset(self, target_cache: KVCache) -> None:
+        self.cache = target_cache if self.shares_target_cache else KVCache()
+
+    def _mode(self):
+        if self.activation_bits is None:
+            return _nothing()
+        return quantized_activations(self.model, self.activation_bits)
+
+    def _dist(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.double() / self._temperature, dim=-1)
+
+    def propose(self, context: list[int], spec: TreeSpec, temperature: float, generator, rates) -> DraftTree:
+        self._temperature = temperature if temperature > 0 else 1.0
+        sample = temperature > 0
+        entry = self.cache.length
+        device = _network(self.model).device
+        with self._mode():
+            new = torch.tensor([context[entry:]], device=device)
+            positions = torch.arange(entry, len(context), device=device)[None]
+            self._root = self._dist(step(self.model, new, positions, self.cache, logits_to_keep=1)[0, -1])
+            self._base, self._slots, self._len = self.cache.length, {}, len(context)
+            if spec.kind in ("chain", "static"):
+                tree = build_static(self, 1 if spec.kind == "chain" else spec.width, spec.depth, sample, generator)
+            elif spec.kind == "dynamic":
+                tree = build_dynamic(self, spec.nodes, spec.depth, sample, generator)
+            else:
+                tree = build_opt(self, opt_shape(rates, spec.nodes, spec.depth), sample, generator)
+        # A separate draft keeps the committed text; the QSPEC draft gives the target its cache back as it was.
+        self.cache.crop(entry if self.shares_target_cache else len(context))
+        return tree
+
+    def root(self) -> torch.Tensor:
+        return self._root
+
+    def expand(self, tree: DraftTree, nodes: list[int]) -> list[torch.Tensor]:
+        """Feed `nodes` (whose ancestors were fed by earlier expansions) and return the draft after each."""
+        device = _network(self.model).device
+        past = self.cache.length
+        tokens = torch.tensor([[tree.tokens[n] for n in nodes]], device=device)
+        positions = torch.tensor([[self._len + tree.depths[n] for n in nodes]], device=device)
+        chain = len(nodes) == 1 and self._ancestor_slots(tree, nodes[0]) == list(range(self._base, past))
+        mask = None
+        if not chain:  # each node sees the committed text, its ancestors' slots and itself
+            mask = torch.zeros(1, 1, len(nodes), past + len(nodes), dtype=torch.bool, device=device)
+            mask[..., : self._base] = True
+            for i, n in enumerate(nodes):
+                mask[0, 0, i, self._ancestor_slots(tree, n)] = True
+                mask[0, 0, i, past + i] = True
+        logits = step(self.model, tokens, positions, self.cache, mask)[0]
+        for i, n in enumerate(nodes):
+            self._slots[n] = past + i
+        return [self._dist(row) for row in logits]
+
+    def _ancestor_slots(self, tree: DraftTree, node: int) -> list[int]:
+        slots, p = [], tree.parents[node]
+        while p >= 0:
+            slots.append(self._slots[p])
+            p = tree.parents[p]
+        return sorted(slots)
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def self_draft(model, scheme: str) -> ModelDraft:
+    """QSPEC: `W4A8` / `W4A4` (the target's own weights, activations per token at 8 / 4 bits in the draft pass)."""
+    bits = {"W4A8": 8, "W4A4": 4, "A8": 8, "A4": 4}.get(scheme.upper())
+    if bits is None:
+        from quantkit.errors import InputError
+
+        raise InputError(f"unknown self-draft scheme {scheme!r}; use self:W4A8 or self:W4A4")
+    return ModelDraft(model, f"self:{scheme.upper()}", activation_bits=bits)
+
+
+class NgramDraft:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last n tokens
+    (n = 3, then 2, then 1). A static tree takes up to W distinct continuations, the latest first."""
+
+    name = "ngram"
+    shares_target_cache = False
+
+    def reset(self, target_cache: KVCache) -> None:
+        pass
+
+    def propose(self, context: list[int], spec: TreeSpec, temperature: float, generator, rates) -> DraftTree:
+        width = spec.width if spec.kind == "static" else 1
+        found: list[list[int]] = []
+        firsts: set[int] = set()
+        for n in range(min(NGRAM_MAX, len(context) - 1), 0, -1):
+            suffix = context[-n:]
+            for j in range(len(context) - n - 1, -1, -1):
+                if context[j : j + n] == suffix:
+                    cont = context[j + n : j + n + spec.depth]
+                    if cont and cont[0] not in firsts:
+                        found.append(cont)
+                        firsts.add(cont[0])
+                        if len(found) == width:
+                            break
+            if len(found) == width:
+                break
+        tree = DraftTree()
+        for rank, cont in enumerate(found):
+            parent = -1
+            for tok in cont:
+                parent = tree.add(tok, parent, None, rank if parent < 0 else 0)
+        return tree

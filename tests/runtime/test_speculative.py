@@ -1,0 +1,206 @@
+"""Speculative decoding: greedy output equals the target's own greedy output for every draft kind and tree shape,
+sampling keeps the target's distribution (exact enumeration of the acceptance rule, and a chi-square test of
+the whole loop), the QSPEC draft shares the target's storage, and tree verification equals chain runs."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from quantkit.runtime.speculative import (ModelDraft, NgramDraft, SpecConfig, parse_tree, self_draft,
+                                          speculative_generate)
+from quantkit.runtime.speculative.acceptance import accept_child, emitted_distribution
+from quantkit.runtime.speculative.decode import plain_generate
+from quantkit.runtime.step import KVCache, step, tree_mask, tree_positions
+
+TREES = ["chain", "static:2x3", "dynamic:8", "opt:6"]
+
+
+def chi2_sf(x: float, dof: int) -> float:
+    """P(X >= x) for a chi-square with `dof` degrees of freedom: the regularised upper incomplete gamma."""
+    f64 = torch.float64
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=f64), torch.tensor(x / 2, dtype=f64)))
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models):
+    target = AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).eval()
+    other = AutoModelForCausalLM.from_pretrained(tiny_models["mistral"]).eval()
+    return target, other
+
+
+def _hf_greedy(model, prompt, n):
+    """transformers' own greedy decoding: the independent oracle."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], [30, 31, 40, 41, 42, 30, 31, 40, 41, 50, 51, 30, 31]]
+
+
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("kind", ["same", "other", "self:W4A8", "self:W4A4", "ngram"])
+def test_greedy_equals_the_targets_own_greedy(models, kind, tree):
+    target, other = models
+    if kind == "ngram" and tree not in ("chain", "static:2x3"):
+        pytest.skip("prompt lookup drafts chains and static trees")
+    draft = {"same": lambda: ModelDraft(target, "same"), "other": lambda: ModelDraft(other, "other"),
+             "ngram": NgramDraft}.get(kind, lambda: self_draft(target, kind.split(":")[1]))()
+    cfg = SpecConfig(tree=parse_tree(tree, 3), max_new_tokens=20)
+    for prompt in PROMPTS:
+        got = speculative_generate(target, draft, prompt, cfg)
+        assert got.tokens == _hf_greedy(target, prompt, 20), (kind, tree)
+        if kind == "same":  # a draft identical to the target is always right: every drafted depth is accepted
+            assert got.accepted == got.drafted_depth
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gemma2", "deepseek_v3"])
+def test_greedy_trees_on_other_architectures(tiny_models, family):
+    target = AutoModelForCausalLM.from_pretrained(tiny_models[family]).eval()
+    for tree in ("chain", "dynamic:8"):
+        got = speculative_generate(target, self_draft(target, "W4A8"), PROMPTS[1], SpecConfig(parse_tree(tree, 3), 12))
+        assert got.tokens == _hf_greedy(target, PROMPTS[1], 12), (family, tree)
+
+
+def test_tree_verification_logits_equal_chain_runs(models):
+    target, _ = models
+    prefix = PROMPTS[1]
+    parents = [-1, 0, 0, 1, 2, 2, 4]  # node 0 = the root (last prefix token); a tree of 6 drafted nodes
+    tokens = [prefix[-1], 7, 8, 9, 10, 11, 12]
+    cache = KVCache()
+    step(target, torch.tensor([prefix[:-1]]), torch.arange(len(prefix) - 1)[None], cache)
+    got = step(target, torch.tensor([tokens]), tree_positions(parents, len(prefix) - 1),
+               cache, tree_mask(parents, cache.length))[0]
+    for i in range(len(tokens)):
+        chain, node = [], i
+        while node >= 0:
+            chain.insert(0, tokens[node])
+            node = parents[node]
+        with torch.no_grad():
+            ref = target(torch.tensor([prefix[:-1] + chain])).logits[0, -1]
+        torch.testing.assert_close(got[i], ref, rtol=1e-4, atol=1e-4)  # fp32; batched vs single-row matmuls
+
+
+def test_cache_keep_compacts_to_the_accepted_path(models):
+    target, _ = models
+    prefix = PROMPTS[0]
+    cache = KVCache()
+    step(target, torch.tensor([prefix]), torch.arange(len(prefix))[None], cache)
+    parents = [-1, -1, 0, 1]  # two branches of two
+    nodes = [20, 21, 22, 23]
+    step(target, torch.tensor([nodes]), tree_positions(parents, len(prefix)), cache, tree_mask(parents, cache.length))
+    cache.keep(len(prefix), [1, 3])  # the branch 21 -> 23
+    got = step(target, torch.tensor([[24]]), torch.tensor([[len(prefix) + 2]]), cache)[0, -1]
+    with torch.no_grad():
+        ref = target(torch.tensor([prefix + [21, 23, 24]])).logits[0, -1]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_qspec_draft_shares_the_targets_weights_and_cache(models):
+    target, _ = models
+    before = {n: t.data_ptr() for n, t in itertools.chain(target.named_parameters(), target.named_buffers())}
+    draft = self_draft(target, "W4A4")
+    seen = []
+    orig = draft.propose
+
+    def spy(context, *args):
+        seen.append(draft.cache)
+        return orig(context, *args)
+
+    draft.propose = spy
+    speculative_generate(target, draft, PROMPTS[0], SpecConfig(parse_tree("chain", 3), 8))
+    after = {n: t.data_ptr() for n, t in itertools.chain(target.named_parameters(), target.named_buffers())}
+    assert before == after and draft.model is target
+    assert seen and all(c is seen[0] for c in seen)  # one KV cache for both modes, the target's
+    # The draft pass really computes differently (activations at 4 bits), or it would be no draft at all.
+    cache = KVCache()
+    ids = torch.tensor([PROMPTS[0]])
+    full = step(target, ids, torch.arange(ids.shape[1])[None], cache)
+    from quantkit.runtime.speculative.drafts import quantized_activations
+
+    with quantized_activations(target, 4):
+        low = step(target, ids, torch.arange(ids.shape[1])[None], KVCache())
+    assert not torch.allclose(full, low)
+
+
+def test_acceptance_rule_is_exact_by_enumeration():
+    """Over every draw of the children (i.i.d. from q, or chosen distinct tokens), the emitted token's exact
+    distribution equals p: the residual and ratio formulas are right."""
+    g = torch.Generator().manual_seed(0)
+    V = 5
+    for trial in range(20):
+        p = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, -1)
+        q = torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, -1)
+        for m in (1, 2, 3):
+            total = torch.zeros(V, dtype=torch.float64)
+            for draw in itertools.product(range(V), repeat=m):
+                weight = math.prod(float(q[x]) for x in draw)
+                total += weight * emitted_distribution(p, [(x, q) for x in draw])
+            torch.testing.assert_close(total, p, rtol=0, atol=1e-12)
+        for draw in itertools.permutations(range(V), 2):  # deterministic distinct children (point masses)
+            torch.testing.assert_close(emitted_distribution(p, [(x, None) for x in draw]), p, rtol=0, atol=1e-12)
+
+
+def test_sampler_follows_the_rule():
+    """The sampling code path (uniform draws, residual sampling) matches the exact distribution."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.6, 0.2, 0.1], dtype=torch.float64)
+    children = [(1, q), (2, q)]
+    expected = emitted_distribution(p, children)
+    counts = torch.zeros(4, dtype=torch.float64)
+    n = 20000
+    for _ in range(n):
+        idx, left = accept_child(p, children, lambda: float(torch.rand((), generator=g, dtype=torch.float64)))
+        token = children[idx][0] if idx is not None else int(torch.multinomial(left, 1, generator=g))
+        counts[token] += 1
+    possible = expected > 0
+    assert counts[~possible].sum() == 0  # a token the rule can never emit here was never emitted
+    chi2 = float(((counts[possible] - n * expected[possible]) ** 2 / (n * expected[possible])).sum())
+    assert chi2_sf(chi2, int(possible.sum()) - 1) > 0.01, chi2
+
+
+def _tiny(seed: int, vocab: int = 8) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=vocab, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # peakier distributions than the random init's near-uniform ones
+    return model
+
+
+@pytest.mark.parametrize("tree", ["chain", "static:2x2", "dynamic:6"])
+def test_sampled_output_keeps_the_target_distribution(tree):
+    """Chi-square over 20k speculative samples of the first two tokens against the target's exact joint
+    distribution, computed from plain forwards."""
+    target, other = _tiny(0), _tiny(1)
+    prompt = [1, 2, 3]
+    T = 1.0
+    with torch.no_grad():
+        p1 = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double() / T, -1)
+        joint = torch.stack([p1[a] * torch.softmax(target(torch.tensor([prompt + [a]])).logits[0, -1].double() / T, -1)
+                             for a in range(8)])
+    draft = ModelDraft(other, "other")
+    counts = torch.zeros(8, 8, dtype=torch.float64)
+    n = 20000
+    spec = parse_tree(tree, 2)
+    for i in range(n):
+        out = speculative_generate(target, draft, prompt, SpecConfig(spec, 2, temperature=T, seed=i)).tokens
+        counts[out[0], out[1]] += 1
+    expected = joint * n
+    keep = expected > 5  # the usual validity condition of the chi-square approximation
+    chi2 = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    assert chi2_sf(chi2, int(keep.sum()) - 1) > 0.01, chi2
+
+
+def test_plain_generate_equals_transformers(models):
+    target, _ = models
+    tokens, _ = plain_generate(target, PROMPTS[0], 10)
+    assert tokens == _hf_greedy(target, PROMPTS[0], 10)
