@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +67,8 @@ def _check(err, what: str) -> None:
         raise CompileError(f"{what} failed: {err}")
 
 
-def _sources_digest(source: str) -> str:
-    h = hashlib.sha256((CSRC / "cuda" / source).read_bytes())
+def _sources_digest(text: bytes) -> str:
+    h = hashlib.sha256(text)
     for hdr in sorted((CSRC / "include").glob("*.cuh")):
         h.update(hdr.name.encode() + hdr.read_bytes())
     return h.hexdigest()
@@ -82,17 +83,21 @@ def _first_error(log: str) -> str:
 
 def compile_source(source: str, arch: str, extra_options: tuple[str, ...] = ()) -> Compiled:
     """Compile csrc/cuda/<source> for `arch` (e.g. "sm_90a"), from the cache when the key matches."""
+    return compile_text(source, (CSRC / "cuda" / source).read_bytes(), arch, extra_options)
+
+
+def compile_text(source: str, text: bytes, arch: str, extra_options: tuple[str, ...] = ()) -> Compiled:
+    """Compile `text` (named `source` in messages) with csrc/include on the include path."""
     from cuda.bindings import nvrtc
 
     options = (*BASE_OPTIONS, f"--gpu-architecture={arch}", *extra_options)
-    key_src = json.dumps({"src": _sources_digest(source), "arch": arch, "nvrtc": nvrtc_version(),
+    key_src = json.dumps({"src": _sources_digest(text), "arch": arch, "nvrtc": nvrtc_version(),
                           "options": options}, sort_keys=True)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:24]
     entry = cache_dir() / f"{Path(source).stem}-{arch}-{key}"
     if (entry / "kernel.cubin").exists():
         return Compiled(source, arch, (entry / "kernel.cubin").read_bytes(), (entry / "kernel.ptx").read_text(),
                         (entry / "log.txt").read_text())
-    text = (CSRC / "cuda" / source).read_bytes()
     err, prog = nvrtc.nvrtcCreateProgram(text, source.encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
     try:
@@ -123,5 +128,5 @@ def compile_source(source: str, arch: str, extra_options: tuple[str, ...] = ()) 
     try:
         tmp.rename(entry)  # atomic publish; a concurrent writer that won leaves an identical entry
     except OSError:
-        pass
+        shutil.rmtree(tmp, ignore_errors=True)
     return Compiled(source, arch, cubin, ptx_text, log)
