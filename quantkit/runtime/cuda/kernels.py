@@ -73,7 +73,7 @@ class WNA16Kernel:
             return False
         if w.strategy not in ("group", "channel") or in_f % 8:
             return False
-        if w.strategy == "group" and w.actorder is None and (w.group_size or 0) % vpw:
+        if w.strategy == "group" and (w.group_size or 0) % vpw:  # one word never straddles two groups
             return False
         return _cuda_ready(device)
 

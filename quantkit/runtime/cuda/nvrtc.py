@@ -15,7 +15,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parents[3] / "csrc"
+# The source tree's csrc/ (an installed wheel does not ship it yet: QUANTKIT_CSRC points elsewhere).
+CSRC = Path(os.environ.get("QUANTKIT_CSRC") or Path(__file__).resolve().parents[3] / "csrc")
 ARCHS = ("sm_80", "sm_89", "sm_90a")
 BASE_OPTIONS = ("--std=c++17", "-default-device", "-Xptxas", "-v", "-lineinfo")
 
