@@ -18,9 +18,9 @@ from quantkit.runtime.cuda.specs import ENTRIES
 
 _NOTICES: set[str] = set()
 _LOCK = threading.Lock()
-_MODULES: dict[tuple[str, str], object] = {}
-_FUNCS: dict[tuple[str, str], object] = {}
-_BROKEN: dict[tuple[str, str], str] = {}  # (source, arch) -> the one-line reason it is not usable
+_MODULES: dict[tuple[str, str, int], object] = {}  # (source, arch, device)
+_FUNCS: dict[tuple[str, str, int], object] = {}
+_BROKEN: dict[tuple[str, str, int], str] = {}  # (source, arch, device) -> the one-line reason it is not usable
 
 
 class CudaUnavailable(RuntimeError):
@@ -61,7 +61,9 @@ def availability() -> tuple[bool, str]:
             return False, f"CUDA kernels off: no usable NVIDIA driver (cuInit: {err.name}); {tail}"
         err, version = driver.cuDriverGetVersion()
         major, minor = nvrtc_version()
-    except Exception as e:  # a broken install must not take the runtime down
+    except Exception as e:  # cuda-bindings raises (not returns) when libcuda cannot be loaded at all
+        if "libcuda" in str(e):
+            return False, f"CUDA kernels off: no NVIDIA driver (libcuda.so.1 cannot be loaded); {tail}"
         return False, f"CUDA kernels off: CUDA driver query failed ({type(e).__name__}: {e}); {tail}"
     # A driver runs PTX/cubins from NVRTCs up to its own CUDA version only.
     if version < major * 1000 + minor * 10:
@@ -75,8 +77,26 @@ def availability() -> tuple[bool, str]:
     return True, arch
 
 
-def function(entry: str):
-    """The CUfunction of `entry`, compiling and loading its source for this device at first use."""
+def _make_torch_context_current(device: int) -> None:
+    """Modules and launches belong to a context: use the device's primary context, the one torch uses, and
+    make it current on this thread (a thread that never touched CUDA through torch has none)."""
+    from cuda.bindings import driver
+
+    err, ctx = driver.cuCtxGetCurrent()
+    if err == driver.CUresult.CUDA_SUCCESS and int(ctx) != 0:
+        err, cur = driver.cuCtxGetDevice()
+        if err == driver.CUresult.CUDA_SUCCESS and int(cur) == device:
+            return
+    err, dev = driver.cuDeviceGet(device)
+    err, primary = driver.cuDevicePrimaryCtxRetain(dev)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise CudaUnavailable(f"CUDA primary context of device {device} unavailable ({err.name}); using the reference path")
+    driver.cuCtxSetCurrent(primary)
+
+
+def function(entry: str, device: int | None = None):
+    """The CUfunction of `entry` for CUDA device `device` (default: torch's current), compiling and loading
+    its source for that device's architecture at first use."""
     from cuda.bindings import driver
 
     from quantkit.runtime.cuda.nvrtc import CompileError, compile_source
@@ -84,12 +104,15 @@ def function(entry: str):
     ok, arch = availability()
     if not ok:
         raise CudaUnavailable(arch)
+    if device is None:
+        device = torch.cuda.current_device()
+    arch = target_arch(torch.cuda.get_device_capability(device)) or arch
     spec = ENTRIES[entry]
-    key = (spec.source, arch)
+    key = (spec.source, arch, device)
     with _LOCK:
         if key in _BROKEN:
             raise CudaUnavailable(_BROKEN[key])
-        f = _FUNCS.get((entry, arch))
+        f = _FUNCS.get((entry, arch, device))
         if f is not None:
             return f
         module = _MODULES.get(key)
@@ -99,7 +122,8 @@ def function(entry: str):
             except CompileError as e:
                 _BROKEN[key] = f"CUDA kernel {entry} did not compile: {e}; using the reference path"
                 raise CudaUnavailable(_BROKEN[key]) from None
-            torch.cuda.init()  # the primary context torch uses must be current before loading
+            torch.cuda.init()
+            _make_torch_context_current(device)
             err, module = driver.cuModuleLoadData(compiled.cubin)
             if err != driver.CUresult.CUDA_SUCCESS:
                 _BROKEN[key] = f"CUDA module {spec.source} did not load for {arch} ({err.name}); using the reference path"
@@ -108,7 +132,7 @@ def function(entry: str):
         err, f = driver.cuModuleGetFunction(module, entry.encode())
         if err != driver.CUresult.CUDA_SUCCESS:
             raise CudaUnavailable(f"CUDA entry {entry} missing from {spec.source} ({err.name}); using the reference path")
-        _FUNCS[(entry, arch)] = f
+        _FUNCS[(entry, arch, device)] = f
         return f
 
 
@@ -144,10 +168,15 @@ def launch(entry: str, grid: tuple[int, int, int], block: tuple[int, int, int], 
     """Launch `entry` on torch's current CUDA stream."""
     from cuda.bindings import driver
 
-    f = function(entry)
     values = pack_args(entry, args)
+    devices = {a.device.index for a in args if isinstance(a, torch.Tensor)}
+    if len(devices) > 1:
+        raise TypeError(f"{entry}: tensors on several devices {sorted(devices)}")
+    device = devices.pop() if devices else torch.cuda.current_device()
+    f = function(entry, device)
+    _make_torch_context_current(device)
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+    stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
     (err,) = driver.cuLaunchKernel(f, *grid, *block, shared_bytes, stream, ctypes.addressof(params), 0)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"launching {entry} grid={grid} block={block} failed: {err.name}")

@@ -97,6 +97,18 @@ def test_matching_driver_picks_the_target(fake_cuda):
     assert runtime.availability() == (True, "sm_90a")
 
 
+def test_real_bindings_without_libcuda_is_one_line(monkeypatch):
+    pytest.importorskip("cuda.bindings", reason="cuda-bindings not installed")
+    import ctypes.util
+
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("this machine has libcuda: the no-driver path cannot be exercised for real")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if torch believed there were a GPU
+    ok, line = runtime.availability()
+    assert not ok and "libcuda" in line
+    _one_line(line)
+
+
 def test_old_gpu_is_one_line(fake_cuda, monkeypatch):
     fake_cuda(_fake_driver(13000))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
