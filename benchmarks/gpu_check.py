@@ -52,24 +52,33 @@ class Ctx:
             torch.cuda.synchronize()
 
     def time_ms(self, fn, copies: list) -> float:
-        """Median ms of fn(copy) over rotating copies, L2 flushed before each timed run."""
-        for i in range(3 if self.dry else 5):
+        """Median ms of fn(copy) over rotating copies, L2 flushed before each timed run.
+
+        Warm-up touches every copy (so one-time prepare/compile never lands in a timed run). Each timed run
+        is queued behind a GPU spin (torch.cuda._sleep) so the host's launch overhead is hidden and the
+        events bracket GPU time only."""
+        for i in range(max(3 if self.dry else 5, len(copies))):
             fn(copies[i % len(copies)])
-        times = []
-        for i in range(self.reps):
-            self.flush.zero_()
-            if self.dry:
+        if self.dry:
+            times = []
+            for i in range(self.reps):
+                self.flush.zero_()
                 t0 = time.perf_counter()
                 fn(copies[i % len(copies)])
                 times.append((time.perf_counter() - t0) * 1e3)
-            else:
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn(copies[i % len(copies)])
-                e.record()
-                e.synchronize()
-                times.append(s.elapsed_time(e))
-        return statistics.median(times)
+            return statistics.median(times)
+        self.sync()
+        events = []
+        for i in range(self.reps):
+            self.flush.zero_()
+            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU spin: the launches below are queued before it ends
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn(copies[i % len(copies)])
+            e.record()
+            events.append((s, e))
+        self.sync()
+        return statistics.median(s.elapsed_time(e) for s, e in events)
 
     def n_copies(self, nbytes: int) -> int:
         return max(1, math.ceil(2 * self.l2 / max(nbytes, 1)) + 1) if not self.dry else 1
