@@ -80,6 +80,13 @@ class Ctx:
         self.sync()
         return statistics.median(s.elapsed_time(e) for s, e in events)
 
+    def save(self) -> None:
+        """Write what is known so far to $OUT/gpu_check.json (a run cut by the time limit still leaves data)."""
+        out_dir = os.environ.get("OUT")
+        if out_dir:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / "gpu_check.json").write_text(json.dumps(self.results, indent=1, default=str))
+
     def n_copies(self, nbytes: int) -> int:
         return max(1, math.ceil(2 * self.l2 / max(nbytes, 1)) + 1) if not self.dry else 1
 
@@ -390,21 +397,19 @@ def main() -> int:
         info.update(capability=list(torch.cuda.get_device_capability()), nvrtc=list(nvrtc_version()), l2_bytes=ctx.l2)
     ctx.results["info"] = info
     parity(ctx)
+    ctx.save()
     copy_gbs = copy_bandwidth(ctx)
     peaks = bf16_peak(ctx)
     ctx.results["peaks_TFLOPS"] = peaks
     timings(ctx, copy_gbs, peaks)
+    ctx.save()
     if not args.skip_decode:
         decode_speed(ctx)
     ctx.results["seconds"] = time.time() - t0
     bad = [r for r in ctx.results["parity"] if not r.get("ok")]
     ctx.results["parity_failures"] = len(bad)
-    text = json.dumps(ctx.results, indent=1, default=str)
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "gpu_check.json").write_text(text)
-    print(text)
+    ctx.save()
+    print(json.dumps(ctx.results, indent=1, default=str))
     print(f"gpu_check: {len(ctx.results['parity']) - len(bad)}/{len(ctx.results['parity'])} parity cases ok, "
           f"{ctx.results['seconds']:.0f} s")
     return 1 if bad else 0
