@@ -7,7 +7,8 @@
 //   8-bit  A (m16 x k32):  r0 = A[g][4t..4t+3]  r1 = A[g+8][4t..]  r2 = A[g][4t+16..]  r3 = A[g+8][4t+16..]
 //   8-bit  B (k32 x n8):   r0 = Bt[g][4t..4t+3]  r1 = Bt[g][4t+16..]
 //   C/D (m16 x n8, f32 or s32): c0,c1 = C[g][2t], C[g][2t+1]   c2,c3 = C[g+8][2t], C[g+8][2t+1]
-// The lower-indexed element of a pair / quad sits in the low bits of its register.
+// The lower-indexed element of a pair / quad sits in the low bits of its register. (Cross-checked by hand
+// against the PTX ISA tables and CuTe's published SM80 / SM89 MMA_Traits layouts; no GPU has run them yet.)
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -14,6 +14,13 @@ from quantkit.runtime.cuda import runtime  # noqa: E402
 from quantkit.runtime.cuda.nvrtc import ARCHS, CompileError, compile_source, compile_text  # noqa: E402
 from quantkit.runtime.cuda.specs import ENTRIES, SOURCES  # noqa: E402
 
+try:  # cuda-bindings without the NVRTC wheel (or a broken one) cannot compile: say so in one line
+    from quantkit.runtime.cuda.nvrtc import include_dirs, nvrtc_version
+
+    nvrtc_version(), include_dirs()
+except Exception as e:  # noqa: BLE001
+    pytest.skip(f"NVRTC or the CUDA headers are not usable ({type(e).__name__}: {e})", allow_module_level=True)
+
 PTX_KINDS = {"ptr": {"u64", "b64"}, "i64": {"u64", "s64", "b64"}, "i32": {"u32", "s32", "b32"}, "f32": {"f32"}}
 
 
