@@ -8,10 +8,13 @@
 //   8-bit  B (k32 x n8):   r0 = Bt[g][4t..4t+3]  r1 = Bt[g][4t+16..]
 //   C/D (m16 x n8, f32 or s32): c0,c1 = C[g][2t], C[g][2t+1]   c2,c3 = C[g+8][2t], C[g+8][2t+1]
 // The lower-indexed element of a pair / quad sits in the low bits of its register. (Cross-checked by hand
-// against the PTX ISA tables and CuTe's published SM80 / SM89 MMA_Traits layouts; no GPU has run them yet.)
+// against the PTX ISA tables and CuTe's published SM80 / SM89 MMA_Traits layouts, and run against an
+// independent statement of these layouts by csrc/host/cuda_emu.h; no GPU has run them yet.)
 #pragma once
+#ifndef QK_EMULATE  // csrc/host/cuda_emu.h provides these types when the kernels run on the CPU emulator
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 #include "qk_numerics.cuh"
 
 namespace qk {
@@ -47,6 +50,14 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 template <typename T> __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, const uint32_t* b);
+#ifdef QK_EMULATE
+template <> inline void mma_16816<__nv_bfloat16>(float* d, const uint32_t* a, const uint32_t* b) { emu_mma_bf16(d, a, b); }
+template <> inline void mma_16816<__half>(float* d, const uint32_t* a, const uint32_t* b) { emu_mma_f16(d, a, b); }
+inline void mma_s8_16832(int* d, const uint32_t* a, const uint32_t* b) { emu_mma_s8(d, a, b); }
+#if __CUDA_ARCH__ >= 890
+inline void mma_e4m3_16832(float* d, const uint32_t* a, const uint32_t* b) { emu_mma_e4m3(d, a, b); }
+#endif
+#else
 template <> __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float* d, const uint32_t* a, const uint32_t* b) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -70,6 +81,7 @@ __device__ __forceinline__ void mma_e4m3_16832(float* d, const uint32_t* a, cons
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 #endif
+#endif  // QK_EMULATE
 
 // Fragment loads from shared memory tiles stored row-major with leading dimension ld (in elements).
 // 16-bit elements: A tile [m][k], B stored transposed [n][k]; row0/k0 are the fragment's origin.

@@ -240,7 +240,10 @@ def prepare_moe_experts(layers: list, bits: int = 4) -> dict:
     zps = [p["zp"] for p in preps]
     return {"wq": torch.stack([p["wq"] for p in preps]).contiguous(),
             "scale": torch.stack([p["scale"] for p in preps]).contiguous(),
-            "zp": None if zps[0] is None else torch.stack(zps).contiguous(),
+            # A symmetric expert among asymmetric ones gets zero zero points (one kernel argument for all).
+            "zp": None if all(z is None for z in zps) else torch.stack(
+                [z if z is not None else torch.zeros_like(p["scale"], dtype=torch.int8) for z, p in zip(zps, preps)]
+            ).contiguous(),
             "group": preps[0]["group"], "n": preps[0]["n"], "k": preps[0]["k"], "bits": bits, "e": len(preps)}
 
 
