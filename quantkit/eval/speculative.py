@@ -62,11 +62,12 @@ def load_prompts(source: str, tokenizer, seed: int = 0) -> list[list[int]]:
     path = Path(source)
     if not path.is_file():
         raise InputError(f"prompt file {path} does not exist (or use --prompts builtin)")
-    return [_encode(tokenizer, p) for p in _read_prompt_file(path)]
+    return [p if isinstance(p, list) else _encode(tokenizer, p) for p in _read_prompt_file(path)]
 
 
-def _read_prompt_file(path: Path) -> list[str]:
-    out = []
+def _read_prompt_file(path: Path) -> list[str | list[int]]:
+    """Prompts as text, or as token ids where a JSONL line gives {"ids": [int, ...]} (already tokenised)."""
+    out: list[str | list[int]] = []
     with open(path, encoding="utf-8") as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
@@ -78,8 +79,14 @@ def _read_prompt_file(path: Path) -> list[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise InputError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+            ids = row.get("ids") if isinstance(row, dict) else None
+            if isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                     for i in ids):
+                out.append(ids)
+                continue
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-                raise InputError(f'{path}:{n}: expected an object with a non-empty "prompt" string')
+                raise InputError(f'{path}:{n}: expected an object with a non-empty "prompt" string '
+                                 f'(or "ids": a list of token ids)')
             out.append(row["prompt"])
     if not out:
         raise InputError(f"prompt file {path} has no prompts")

@@ -67,8 +67,25 @@ class ModelHandle:
         return [n for n in self.index.names() if n.startswith(prefix)]
 
     def non_layer_checkpoint_names(self) -> list[str]:
+        """Tensors outside the decoder layers the skeleton has, in checkpoint order: embeddings, final norm, head,
+        and layers past the last one (DeepSeek-V3's multi-token-prediction blocks, `num_nextn_predict_layers`,
+        stored as model.layers.N... but not part of transformers' model), which are kept as they are."""
+        extra = set(self.extra_layer_indices())
         layer_root = self.adapter.layers_path + "."
-        return [n for n in self.index.names() if not n.startswith(layer_root)]
+        return [n for n in self.index.names() if not n.startswith(layer_root) or self._layer_index(n) in extra]
+
+    def _layer_index(self, name: str) -> int | None:
+        head = name[len(self.adapter.layers_path) + 1:].partition(".")[0]
+        return int(head) if head.isdigit() else None
+
+    def extra_layer_indices(self) -> list[int]:
+        """Indices of checkpoint layers beyond the skeleton's decoder layers (multi-token-prediction blocks).
+        Without a skeleton (the data-free FP8 stream) every stored layer is planned alike, MTP blocks included."""
+        if self.skeleton is None:
+            return []
+        layer_root = self.adapter.layers_path + "."
+        found = {self._layer_index(n) for n in self.index.names() if n.startswith(layer_root)}
+        return sorted(i for i in found if i is not None and i >= self.num_layers)
 
     def meta_layer(self, i: int) -> nn.Module:
         """A meta-device copy of decoder layer i with fused MoE experts replaced by per-expert linears."""

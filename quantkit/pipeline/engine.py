@@ -137,6 +137,10 @@ def _protected_ignore(handle: ModelHandle, plans: list[LayerPlan], user_ignore: 
             local = module[len(handle.layer_prefix(p.index)):]
             if handle.adapter.is_protected(handle.adapter.to_module(local)) and module not in names:
                 names.append(module)
+    # Multi-token-prediction blocks (layers past the decoder's) stay at source precision: vLLM loads them as
+    # the speculative head, unquantised, when the config's ignore says so.
+    for i in handle.extra_layer_indices():
+        names.append("re:" + re.escape(handle.layer_prefix(i)) + ".*")
     lm_head = [n.rpartition(".")[0] for n in handle.non_layer_checkpoint_names() if n.endswith("lm_head.weight")]
     names = (lm_head or ["lm_head"]) + [n for n in names if n not in lm_head and n != "lm_head"]
     return names

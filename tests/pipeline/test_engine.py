@@ -261,3 +261,31 @@ def test_activation_schemes_load_and_run_in_transformers(tmp_path, scheme):
     # 8-bit quantisation is close to the original but not identical to it
     rel = (logits - base).norm() / base.norm()
     assert 0 < rel < 0.2, rel
+
+
+def test_deepseek_mtp_block_is_kept_at_source_precision_and_ignored(tmp_path):
+    """DeepSeek-V3 stores its multi-token-prediction block as one layer past the decoder's
+    (num_nextn_predict_layers): transformers' model does not have it, the checkpoint must keep it intact."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "ds", "deepseek_v3", num_nextn_predict_layers=1)
+    weights = load_file(str(model / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    mtp = {"model.layers.2.eh_proj.weight": torch.randn(64, 128, generator=g),
+           "model.layers.2.enorm.weight": torch.rand(64, generator=g),
+           "model.layers.2.hnorm.weight": torch.rand(64, generator=g),
+           "model.layers.2.mlp.down_proj.weight": torch.randn(64, 128, generator=g),
+           "model.layers.2.shared_head.norm.weight": torch.rand(64, generator=g)}
+    save_file({**weights, **mtp}, str(model / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "q"
+    quantize_model(_recipe(model, group_size=32), out)
+    written = _tensors(out)
+    for name, tensor in mtp.items():
+        assert torch.equal(written[name], tensor), name
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "re:model\\.layers\\.2\\..*" in ignore
+    assert "model.layers.1.mlp.experts.0.down_proj.weight_packed" in written  # the decoder is quantised
+    model_hf = AutoModelForCausalLM.from_pretrained(out)  # loads, the MTP tensors are unexpected keys only
+    assert model_hf is not None

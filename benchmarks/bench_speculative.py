@@ -1,0 +1,146 @@
+"""Speculative decoding on this CPU: which compressed checkpoint drafts best, and what it buys, in one run.
+
+    .venv/bin/python benchmarks/bench_speculative.py [--prompts 8] [--max-new-tokens 64] [--full]
+
+Targets: SmolLM2 bf16 and its W4A16 GPTQ checkpoint. Drafts: its RTN / GPTQ / AWQ W4A16 checkpoints, `self:W4A8`,
+`self:W4A4`, `ngram`; chains K = 2, 4, 6, a static and a dynamic tree at the same verify budget; greedy and
+temperature 0.7. `--full` runs every combination on the issue's 32 held-out + 32 chat prompts with 128 new
+tokens (hours on 2 cores); the default is a subset (the first prompts of each kind, fewer tokens) that finishes in
+minutes. Side by side: llama.cpp's prompt-lookup decoding (`llama-cpp-python`'s LlamaPromptLookupDecoding) on the
+same prompts, against llama.cpp's own plain decoding (its bf16 GGUF of the model), when benchmarks/.venv-llama exists.
+Every quantkit figure is from `quantkit eval --speculative --json` (plain decoding measured in the same process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from common import ROOT, prepare_run, write_results
+
+QK = str(ROOT / ".venv" / "bin" / "quantkit")
+LLAMA_PY = ROOT / "benchmarks" / ".venv-llama" / "bin" / "python"
+
+
+def quantize(model: Path, method: str, out: Path, samples: int) -> Path:
+    if not (out / "config.json").is_file():
+        subprocess.run([QK, "quantize", "--model", str(model), "--method", method, "--scheme", "W4A16",
+                        "--group-size", "64", "--num-samples", str(samples), "--output", str(out), "--overwrite",
+                        "--json"], check=True, capture_output=True, env={**os.environ, "QUANTKIT_NO_PROGRESS": "1"})
+    return out
+
+
+def spec_eval(target: Path, base: Path, draft: str, tree: str, k: int, temperature: float, prompts: Path,
+              new_tokens: int) -> dict:
+    cmd = [QK, "eval", str(target), "--baseline", str(base), "--num-samples", "1", "--seq-len", "32",
+           "--speculative", draft, "--tree", tree, "--draft-tokens", str(k), "--prompts", str(prompts),
+           "--max-new-tokens", str(new_tokens), "--temperature", str(temperature), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "QUANTKIT_NO_PROGRESS": "1"})
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    return json.loads(proc.stdout)["results"][0]["speculative"]
+
+
+LLAMA_LOOKUP = r'''
+import json, sys, time
+from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+path, prompts_file, new, k = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+prompts = [json.loads(l)["ids"] for l in open(prompts_file)]
+out = {}
+for name, draft in (("plain", None), ("prompt lookup", LlamaPromptLookupDecoding(num_pred_tokens=k))):
+    llm = Llama(model_path=path, n_ctx=1024, n_threads=2, verbose=False, draft_model=draft)
+    n = 0; t0 = time.perf_counter()
+    for p in prompts:
+        llm.reset()
+        for i, tok in enumerate(llm.generate(p, temp=0.0, reset=True)):
+            n += 1
+            if i + 1 >= new:
+                break
+    out[name] = n / (time.perf_counter() - t0)
+print("RESULT " + json.dumps(out))
+'''
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts of each kind (held-out KJV, chat)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--calib-samples", type=int, default=16)
+    ap.add_argument("--full", action="store_true")
+    ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "speculative")
+    args = ap.parse_args()
+    model, tok = prepare_run(None, args.work / "scratch")
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from quantkit.eval.speculative import load_prompts
+
+    n = 32 if args.full else args.prompts
+    new_tokens = 128 if args.full else args.max_new_tokens
+    ids = load_prompts("builtin", tok)
+    chosen = ids[:n] + ids[32:32 + n]
+    ids_file = prompt_file = args.work / "prompt_ids.jsonl"  # token ids: both tools see the very same prompts
+    ids_file.write_text("".join(json.dumps({"ids": p}) + "\n" for p in chosen))
+
+    ckpts = {m: quantize(model, m, args.work / f"w4a16-{m}", args.calib_samples) for m in ("rtn", "gptq", "awq")}
+    targets = {"bf16": model, "W4A16 GPTQ": ckpts["gptq"]}
+    drafts = {"RTN W4A16": str(ckpts["rtn"]), "GPTQ W4A16": str(ckpts["gptq"]), "AWQ W4A16": str(ckpts["awq"]),
+              "self:W4A8": "self:W4A8", "self:W4A4": "self:W4A4", "ngram": "ngram"}
+    configs = [("chain", 2), ("chain", 4), ("chain", 6), ("static:2x3", 3), ("dynamic:6", 6)]
+    temps = (0.0, 0.7)
+    if not args.full:  # the subset: every draft on chain K=4; every tree shape with the best model draft
+        plan = [(t, d, "chain", 4, 0.0) for t in targets for d in drafts]
+        plan += [("bf16", "AWQ W4A16", tree, k, 0.0) for tree, k in configs if (tree, k) != ("chain", 4)]
+        plan += [("bf16", "self:W4A8", "dynamic:6", 6, 0.0), ("bf16", "AWQ W4A16", "chain", 4, 0.7),
+                 ("bf16", "ngram", "static:2x3", 3, 0.0)]
+    else:
+        plan = [(t, d, tree, k, T) for t in targets for d in drafts for tree, k in configs for T in temps
+                if not (d == "ngram" and tree.startswith("dynamic"))]
+    payload = {"cpu": f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs",
+               "load_average_before": os.getloadavg(), "prompts": len(chosen), "new_tokens": new_tokens, "rows": []}
+    print(payload["cpu"], flush=True)
+    for target, draft, tree, k, T in plan:
+        if targets[target] == ckpts["gptq"] and draft == "GPTQ W4A16":
+            continue  # a model drafting for itself says nothing
+        r = spec_eval(targets[target], model, drafts[draft], tree, k, T, prompt_file, new_tokens)
+        payload["rows"].append({"target": target, "draft_label": draft, "tree_spec": tree, "k": k, **r})
+        print(target, draft, tree, k, T, {x: r.get(x) for x in ("mean_accepted_length", "speedup",
+                                                                "identical_to_plain", "error")}, flush=True)
+    gguf = ROOT / "benchmarks" / ".work" / "runtime" / "smollm2-bf16.gguf"
+    if LLAMA_PY.exists() and gguf.is_file():
+        proc = subprocess.run([str(LLAMA_PY), "-c", LLAMA_LOOKUP, str(gguf), str(ids_file), str(new_tokens), "4"],
+                              capture_output=True, text=True)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        payload["llama_cpp"] = json.loads(line[7:]) if line else {"error": proc.stderr[-300:]}
+    payload["load_average_after"] = os.getloadavg()
+    write_results("speculative", payload, markdown(payload))
+
+
+def markdown(payload: dict) -> str:
+    md = ["# Speculative decoding (SmolLM2-135M, CPU)", "", payload["cpu"],
+          f"load average before / after: {payload['load_average_before'][0]:.2f} / {payload['load_average_after'][0]:.2f}",
+          f"{payload['prompts']} prompts (half held-out KJV, half chat), {payload['new_tokens']} new tokens", "",
+          "| target | draft | tree | T | acceptance | mean accepted length | tok/s | plain tok/s | speed-up | identical to plain |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in payload["rows"]:
+        if "error" in r:
+            md.append(f"| {r['target']} | {r['draft_label']} | {r['tree_spec']} | | error: {r['error']} |||||")
+            continue
+        md.append(f"| {r['target']} | {r['draft_label']} | {r['tree']} | {r['temperature']} | {r['acceptance_rate']:.3f} | "
+                  f"{r['mean_accepted_length']:.2f} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
+                  f"{r['speedup']:.2f}x | {r['identical_to_plain']} |")
+    if "llama_cpp" in payload:
+        ll = payload["llama_cpp"]
+        md += ["", f"llama.cpp (bf16 GGUF, same prompts, greedy): {ll}"]
+        if "plain" in ll:
+            md.append(f"llama.cpp prompt-lookup speed-up: {ll['prompt lookup'] / ll['plain']:.2f}x")
+    return "\n".join(md) + "\n"
+
+
+if __name__ == "__main__":
+    main()
