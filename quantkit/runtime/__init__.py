@@ -2,5 +2,7 @@
 
 from quantkit.runtime.generate import GenerationResult, generate
 from quantkit.runtime.model import RuntimeModel, load_model
+from quantkit.runtime.step import KVCache, prefill, step, tree_mask, tree_positions
 
-__all__ = ["GenerationResult", "RuntimeModel", "generate", "load_model"]
+__all__ = ["GenerationResult", "KVCache", "RuntimeModel", "generate", "load_model", "prefill", "step", "tree_mask",
+           "tree_positions"]
