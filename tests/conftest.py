@@ -32,11 +32,13 @@ FAMILIES = {
 
 
 def make_tiny_model(folder: Path, family: str, dtype=torch.float32, seed: int = 0, **overrides) -> Path:
-    """A randomly initialised model of `family`, saved with its tokenizer-free config as an HF folder."""
+    """A randomly initialised model of `family`, saved with its tokenizer-free config as an HF folder.
+
+    A family outside FAMILIES (any model type transformers knows) gets TINY plus `overrides` only."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    kwargs = {**TINY, **FAMILIES[family], **overrides}
+    kwargs = {**TINY, **FAMILIES.get(family, {}), **overrides}
     config = AutoConfig.for_model(family, **kwargs)
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     # Random init of norms is all ones; perturb them so folding/scaling bugs cannot hide.

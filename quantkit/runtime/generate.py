@@ -1,4 +1,5 @@
-"""A KV-cache generation loop: one prefill pass, then one token per step (greedy or sampled).
+"""A KV-cache generation loop on the step API (`runtime/step.py`): one prefill pass over the (left-padded)
+prompts, then one token per row per step, greedy or sampled.
 
 Works on any transformers causal LM (quantkit's runtime model or a stock one), which is what lets the
 throughput benchmark time both side by side with the same loop. Timings are wall-clock with device
@@ -7,16 +8,17 @@ synchronisation, so they can be reported as prefill / decode throughput and time
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 
 import torch
 
+from quantkit.runtime.step import KVCache, Prompts, _network, _step, prefill
+
 
 @dataclass
 class GenerationResult:
-    tokens: torch.Tensor  # [B, new] generated ids
+    tokens: torch.Tensor  # [B, new] generated ids (rows that stopped early are filled with EOS)
     prefill_seconds: float  # prompt pass up to the first sampled token (time to first token)
     decode_seconds: float  # all later steps
     decode_steps: int
@@ -48,43 +50,43 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
 
 
 @torch.inference_mode()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+def generate(model, input_ids: Prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int | None = None, eos_token_id: int | None = None) -> GenerationResult:
-    """Generate up to `max_new_tokens` per row of `input_ids` [B, L] (equal-length prompts, no padding)."""
-    from transformers import DynamicCache
+    """Generate up to `max_new_tokens` per prompt: `input_ids` is a [B, L] tensor or token lists of any lengths.
 
-    from quantkit.runtime.model import RuntimeModel
-
-    net = model.model if isinstance(model, RuntimeModel) else model
-    device = input_ids.device
+    Rows that reach `eos_token_id` keep emitting it until every row has, then the loop stops early.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    net = _network(model)
+    device = net.device
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    cache = DynamicCache(config=net.config)
-    # transformers renamed `past_key_values` to `cache`; pass whichever this version's forward takes.
-    key = "cache" if "cache" in inspect.signature(net.forward).parameters else "past_key_values"
-    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
-    out_tokens = []
+    longest = input_ids.shape[1] if isinstance(input_ids, torch.Tensor) else max(map(len, input_ids), default=0)
+    cache = KVCache(capacity=longest + max_new_tokens)  # sized once: no buffer grows inside the loop
     _sync(device)
     t0 = time.perf_counter()
-    logits = net(input_ids=input_ids, **{key: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
-    token = sample_next(logits, temperature, top_k, top_p, generator)
+    first = prefill(net, input_ids, cache)
+    token = sample_next(first.logits, temperature, top_k, top_p, generator)
     _sync(device)
     t1 = time.perf_counter()
+    # Every decode step's positions, built once; each step takes a column view.
+    positions = first.next_positions[:, None] + torch.arange(max_new_tokens - 1, device=device)
+    finished = torch.zeros_like(token, dtype=torch.bool)
+    out_tokens = [token]
     steps = 0
-    for _ in range(max_new_tokens - 1):
-        out_tokens.append(token)
+    for i in range(max_new_tokens - 1):
         if eos_token_id is not None:
             finished |= token == eos_token_id
             if bool(finished.all()):
                 break
-        logits = net(input_ids=token[:, None], **{key: cache}, use_cache=True).logits[:, -1]
+        logits = _step(net, token[:, None], positions[:, i:i + 1], cache)[:, -1]
         token = sample_next(logits, temperature, top_k, top_p, generator)
         if eos_token_id is not None:
-            token = torch.where(finished, torch.full_like(token, eos_token_id), token)
-        steps += 1
-    else:
+            token = token.masked_fill(finished, eos_token_id)
         out_tokens.append(token)
+        steps += 1
     _sync(device)
     t2 = time.perf_counter()
     return GenerationResult(torch.stack(out_tokens, dim=1), t1 - t0, t2 - t1, steps)

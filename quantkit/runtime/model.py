@@ -80,9 +80,22 @@ def _generic_adapter(model_type: str) -> Adapter:
         return Adapter(model_type, (model_type,))  # dense model transformers knows: names map one to one
 
 
+def _build_skeleton(path: Path, config, trust_remote_code: bool):
+    """SDPA attention where the architecture has it; eager where it does not (Gemma 2's logit softcapping)."""
+    from transformers import AutoModelForCausalLM
+
+    for attention in ("sdpa", "eager"):
+        try:
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
+                                                    attn_implementation=attention)
+        except ValueError as exc:
+            if attention == "eager" or "scaled_dot_product_attention" not in str(exc):
+                raise InputError(f"{path}: {str(exc).splitlines()[0]}") from None
+
+
 def _skeleton(path: Path, trust_remote_code: bool):
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
@@ -95,11 +108,7 @@ def _skeleton(path: Path, trust_remote_code: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with init_empty_weights(include_buffers=False):
-            try:
-                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
-                                                         attn_implementation="sdpa")
-            except ValueError as exc:
-                raise InputError(f"{path}: {str(exc).splitlines()[0]}") from None
+            model = _build_skeleton(path, config, trust_remote_code)
     return config, qc, model
 
 
