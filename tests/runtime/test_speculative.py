@@ -61,8 +61,14 @@ def test_greedy_equals_the_targets_own_greedy(models, kind, tree):
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "gemma2", "deepseek_v3"])
-def test_greedy_trees_on_other_architectures(tiny_models, family):
-    target = AutoModelForCausalLM.from_pretrained(tiny_models[family]).eval()
+def test_greedy_trees_on_other_architectures(tiny_models, family, tmp_path):
+    if family == "gemma2":  # sliding-window layers, with a window shorter than prompt + output
+        from tests.conftest import make_tiny_model
+
+        folder = make_tiny_model(tmp_path / "g2", "gemma2", head_dim=16, sliding_window=6)
+    else:
+        folder = tiny_models[family]
+    target = AutoModelForCausalLM.from_pretrained(folder).eval()
     for tree in ("chain", "dynamic:8"):
         got = speculative_generate(target, self_draft(target, "W4A8"), PROMPTS[1], SpecConfig(parse_tree(tree, 3), 12))
         assert got.tokens == _hf_greedy(target, PROMPTS[1], 12), (family, tree)
@@ -176,7 +182,7 @@ def _tiny(seed: int, vocab: int = 8) -> LlamaForCausalLM:
     return model
 
 
-@pytest.mark.parametrize("tree", ["chain", "static:2x2", "dynamic:6"])
+@pytest.mark.parametrize("tree", ["chain", "dynamic:6"])
 def test_sampled_output_keeps_the_target_distribution(tree):
     """Chi-square over 20k speculative samples of the first two tokens against the target's exact joint
     distribution, computed from plain forwards."""
