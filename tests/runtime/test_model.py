@@ -19,8 +19,8 @@ def _transformers_logits(path, ids, dequantize=False):
         return model(ids).logits.float()
 
 
-def _runtime_logits(path, ids):
-    rt = load_model(path)
+def _runtime_logits(path, ids, kernels="reference"):
+    rt = load_model(path, kernels=kernels)
     with torch.no_grad():
         return rt(input_ids=ids).logits.float(), rt
 
@@ -31,18 +31,50 @@ def ct_bases(tmp_path_factory):
     return root, {64: make_base(root / "base64", 64), 256: make_base(root / "base256", 256)}
 
 
-@pytest.mark.parametrize("case", list(ct_cases()))
-def test_compressed_tensors_formats_match_transformers_bitwise(ct_bases, case):
+@pytest.fixture(scope="module")
+def ct_paths(ct_bases):
     root, bases = ct_bases
-    scheme, static = ct_cases()[case]
-    base = bases[256 if case == "fp8_block" else 64]
-    path = build_ct_checkpoint(base, root / case, scheme, static_input=static)
+    made = {}
+
+    def build(case):
+        if case not in made:
+            scheme, static = ct_cases()[case]
+            made[case] = build_ct_checkpoint(bases[256 if case == "fp8_block" else 64], root / case, scheme,
+                                             static_input=static)
+        return made[case]
+
+    return build
+
+
+@pytest.mark.parametrize("case", list(ct_cases()))
+def test_compressed_tensors_formats_match_transformers_bitwise(ct_paths, case):
+    path = ct_paths(case)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     # Asymmetric pack-quantized only loads in transformers through its dequantize=True path.
     ref = _transformers_logits(path, ids, dequantize="asym" in case)
-    got, rt = _runtime_logits(path, ids)
+    got, rt = _runtime_logits(path, ids, kernels="reference")
     assert sum(rt.formats.values()) == 14  # 2 layers x 7 linears, lm_head ignored
+    assert rt.kernels == {next(iter(rt.formats)): {"reference": 14}}
     assert torch.equal(got, ref), f"max diff {(got - ref).abs().max().item()}"
+
+
+@pytest.mark.parametrize("case", list(ct_cases()))
+def test_compressed_tensors_formats_with_kernels_match_transformers_closely(ct_paths, case):
+    path = ct_paths(case)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref = _transformers_logits(path, ids, dequantize="asym" in case)
+    got, rt = _runtime_logits(path, ids, kernels="auto")
+    assert "reference" not in next(iter(rt.kernels.values())), rt.kernels  # a kernel served every linear
+    # The checkpoints compute in bf16 (8-bit mantissa). Each kernel output differs from the reference's by
+    # bf16 rounding only (~0.3% RMS per linear, tested layer by layer in test_kernels.py: fp32 accumulation of
+    # exact products instead of bf16-rounded dequantised weights). Weight-only formats carry that to the logits
+    # about unchanged (measured ~0.6%; bound 1.5%). Where activations are quantised, such a difference flips
+    # some roundings of the next layer's int8 / fp8 activations (one int8 step is up to 1/127 of a token's
+    # range, one e4m3 step 1/8 of a value), so the logits move more (measured 1-4%; bound 6%). A wrong scale,
+    # group or zero point moves logits by their own magnitude (~100%).
+    err = (got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
+    bound = 0.015 if rt.quant_config.groups[0][1].input is None else 0.06
+    assert err < bound, f"relative RMS error {err.item():.4f} with kernels {rt.kernels}"
 
 
 def _quantize(model_dir, out, scheme, group_size):
@@ -77,6 +109,19 @@ def test_quantkit_checkpoints_match_transformers(tiny_models, tmp_path, family, 
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     else:
         assert torch.equal(got, ref), f"max diff {(got - ref).abs().max().item()}"
+
+
+@pytest.mark.parametrize("family,scheme,group", [("llama", "W4A16", 32), ("qwen2", "W4A16_ASYM", 32),
+                                                 ("mixtral", "W8A16", -1), ("deepseek_v3", "W4A16", 32)])
+def test_quantkit_checkpoints_with_kernels_match_transformers_closely(tiny_models, tmp_path, family, scheme, group):
+    path = _quantize(tiny_models[family], tmp_path / "q", scheme, group)
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    got, rt = _runtime_logits(path, ids, kernels="auto")
+    assert all("reference" not in by_kernel for by_kernel in rt.kernels.values()), rt.kernels
+    ref = _transformers_logits(path, ids, dequantize=scheme.endswith("ASYM"))
+    # fp32 models: the kernels accumulate in fp32 in another order than the BLAS (and add zero points as
+    # -zp * scale), so logits agree to a few fp32 ulps of the sums they come from, far below any format error.
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_plain_model_matches_transformers(tiny_models):
