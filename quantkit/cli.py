@@ -271,6 +271,7 @@ def eval_cmd(
     min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Gate: fail if top-1 agreement (0..1) is below this."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (the checkpoint's), float32, bfloat16, float16."),
+    kernels: str = typer.Option("auto", "--kernels", help="auto (the fastest kernel for each format and device) or reference (the exact torch reference everywhere)."),
     batch_size: int = typer.Option(4, "--batch-size", help="Blocks per forward pass."),
     seed: int = typer.Option(42, "--seed", help="Sampling seed of the token blocks."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -285,7 +286,7 @@ def eval_cmd(
             checkpoints=list(checkpoints), baseline=baseline, dataset=dataset, num_samples=num_samples,
             seq_len=seq_len, seed=seed, text_column=text_column, tasks=list(tasks or []), lm_eval_tasks=lm_eval,
             throughput=throughput, device=device, dtype=dtype, batch_size=batch_size, max_kl=max_kl,
-            max_ppl_increase=max_ppl_increase, min_top1=min_top1,
+            max_ppl_increase=max_ppl_increase, min_top1=min_top1, kernels=kernels,
         )
         run = run_eval(opts)
         if report is not None:

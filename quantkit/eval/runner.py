@@ -16,6 +16,7 @@ from quantkit.eval.baseline import BaselineCache
 from quantkit.eval.metrics import TOKEN_FIELDS, nll_only, perplexity, summarize, token_stats
 from quantkit.formats.manifest import MANIFEST, package_versions, quantized_weight_stats, verify_manifest
 from quantkit.progress import progress_bar
+from quantkit.runtime.dispatch import KERNEL_MODES
 from quantkit.runtime.model import RuntimeModel, check_model_folder, load_model, read_config, resolve_dtype
 
 
@@ -38,6 +39,7 @@ class EvalOptions:
     max_ppl_increase: float | None = None
     min_top1: float | None = None
     cache_dir: Path | None = None
+    kernels: str = "auto"  # auto | reference (runtime/dispatch.py)
 
 
 @dataclass
@@ -153,6 +155,8 @@ def validate_options(opts: EvalOptions) -> None:
         raise InputError("--max-kl must be >= 0")
     if opts.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise InputError(f"unknown --dtype {opts.dtype!r}: use auto, float32, bfloat16 or float16")
+    if opts.kernels not in KERNEL_MODES:
+        raise InputError(f"unknown --kernels {opts.kernels!r}: use {' or '.join(KERNEL_MODES)}")
 
 
 def run_eval(opts: EvalOptions) -> EvalRun:
@@ -184,7 +188,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
         cache = BaselineCache(base_path, data.fingerprint, dtype, opts.cache_dir)
         base_cached = cache.complete
         needs_model = not base_cached or bool(tasks) or bool(opts.lm_eval_tasks) or opts.throughput
-        base = load_model(base_path, dtype, device) if needs_model else None
+        base = load_model(base_path, dtype, device, kernels=opts.kernels) if needs_model else None
         if not base_cached:
             task = progress.add_task("baseline", total=n_blocks, info=base_src.label)
 
@@ -201,12 +205,13 @@ def run_eval(opts: EvalOptions) -> EvalRun:
                     "dtype": str(dtype).replace("torch.", ""), "cached": base_cached, "cache_key": cache.key,
                     **size_figures(base_path, dtype)}
         if base is not None:
+            baseline["resident_weight_bytes"] = base.resident_weight_bytes
             baseline.update(_extras(base, base_tok, tasks, opts, device, evaluate_task))
         del base
 
         results, token_kl = [], {}
         for ckpt in checkpoints:
-            rt = load_model(ckpt, opts.dtype, device)
+            rt = load_model(ckpt, opts.dtype, device, kernels=opts.kernels)
             if rt.vocab_size != cache.read(0).shape[-1]:
                 raise InputError(f"{ckpt} produces {rt.vocab_size} logits per token, the baseline {cache.read(0).shape[-1]}")
             task = progress.add_task("evaluate", total=n_blocks, info=ckpt.name)
@@ -220,7 +225,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
                 progress.advance(task, batch.shape[0])
             stats = {k: torch.cat(v) for k, v in parts.items()}
             row = {"checkpoint": str(ckpt), **summarize(stats), **size_figures(ckpt, rt.dtype),
-                   "formats": rt.formats}
+                   "resident_weight_bytes": rt.resident_weight_bytes, "formats": rt.formats, "kernels": rt.kernels}
             row.update(_extras(rt, base_tok, tasks, opts, device, evaluate_task))
             results.append(row)
             token_kl[str(ckpt)] = stats["kl"].float()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-from quantkit.errors import InputError
+from quantkit.errors import InputError, QuantkitError
 from quantkit.runtime import load_model
 from quantkit.runtime.linear import QuantLinear
 from tests.runtime.ct_fixtures import build_ct_checkpoint, ct_cases, make_base
@@ -162,3 +162,53 @@ def test_bad_folders_are_one_line_errors(tmp_path, tiny_models):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match="gptq"):
         load_model(bad)
+
+
+@pytest.fixture(scope="module")
+def w4_tiny(tiny_models, tmp_path_factory):
+    return _quantize(tiny_models["llama"], tmp_path_factory.mktemp("w4") / "q", "W4A16", 32)
+
+
+def _edit_tensor(path, name, edit):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[name] = edit(tensors[name]).contiguous()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+UP = "model.layers.1.mlp.up_proj"  # [128, 64]: 64 inputs of 4 bits pack into 8 int32 words; 2 groups of 32
+
+
+@pytest.mark.parametrize("tensor,edit,message", [
+    ("weight_packed", lambda t: t[:, :-1], "weight_packed is int32 [128, 7] but 128 x 64 4-bit values pack into int32 [128, 8]"),
+    ("weight_packed", lambda t: t.to(torch.int16), "weight_packed is int16 [128, 8] but 128 x 64 4-bit values pack into int32 [128, 8]"),
+    ("weight_scale", lambda t: t[:, :1], "weight_scale has shape [128, 1] but group scales of a [128, 64] weight "
+                                          "(groups of 32) are [128, 2]"),
+    ("weight_shape", lambda t: t.flip(0), "weight_shape is [64, 128] but the model config makes this linear [128, 64]"),
+])
+def test_tensors_that_disagree_with_their_shape_are_named_and_exit_1(w4_tiny, tmp_path, tensor, edit, message):
+    import shutil
+
+    path = tmp_path / "bad"
+    shutil.copytree(w4_tiny, path)
+    _edit_tensor(path, f"{UP}.{tensor}", edit)
+    with pytest.raises(QuantkitError) as info:
+        load_model(path)
+    assert info.value.exit_code == 1
+    assert str(info.value) == f"{path}: {UP}.{message}"
+
+
+def test_tensors_that_disagree_with_the_config_are_named_and_exit_1(w4_tiny, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "bad"
+    shutil.copytree(w4_tiny, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 16  # tensors say 32
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantkitError, match=r"q_proj\.weight_scale has shape \[64, 2\] but group scales .* "
+                                            r"\(groups of 16\) are \[64, 4\]") as info:
+        load_model(path)
+    assert info.value.exit_code == 1
