@@ -6,8 +6,18 @@ import json
 from pathlib import Path
 
 QUALITY_COLUMNS = ("ppl", "ppl_base", "ppl_increase_pct", "kl_mean", "kl_median", "kl_p90", "kl_p99", "kl_max",
-                   "top1_agree", "delta_p_mean", "delta_p_rms", "size_bytes", "bits_per_weight")
-THROUGHPUT_COLUMNS = ("prefill_tok_s", "decode_tok_s_b1", "decode_tok_s_b8", "ttft_ms", "peak_memory_bytes")
+                   "top1_agree", "delta_p_mean", "delta_p_rms", "size_bytes", "resident_weight_bytes", "bits_per_weight")
+THROUGHPUT_COLUMNS = ("prefill_tok_s", "decode_tok_s_b1", "decode_tok_s_b8", "ttft_ms", "peak_memory_bytes",
+                      "resident_weight_bytes")
+
+
+def kernels_cell(kernels: dict | None) -> str:
+    """{"w4a16": {"torch-int4pack": 210}} -> "w4a16: torch-int4pack x210" (linears served per kernel)."""
+    if not kernels:
+        return "-"
+    return "; ".join(f"{kind}: " + ", ".join(f"{name} x{n}" for name, n in by.items()) for kind, by in kernels.items())
+
+
 SPEC_COLUMNS = ("draft", "tree", "temperature", "acceptance_rate", "mean_accepted_length", "tokens_per_s",
                 "plain_tokens_per_s", "speedup", "identical_to_plain", "draft_seconds", "verify_seconds")
 
@@ -40,6 +50,8 @@ def render_markdown(report: dict) -> str:
            f"device {report['device']}.", "", "## Quality", ""]
     out += _table(["checkpoint", *QUALITY_COLUMNS], [[r["checkpoint"], *(r.get(c) for c in QUALITY_COLUMNS)]
                                                      for r in report["results"]])
+    out += ["## Kernels (quantised linears served by each)", ""]
+    out += _table(["checkpoint", "kernels"], [[r["checkpoint"], kernels_cell(r.get("kernels"))] for r in report["results"]])
     dp_cols = sorted((k for k in report["results"][0] if k.startswith("delta_p_p")), key=lambda k: int(k[9:]))
     out += ["## Delta-p percentiles", ""]
     out += _table(["checkpoint", "delta_p_min", *dp_cols, "delta_p_max"],
@@ -154,13 +166,18 @@ def print_table(console, report: dict) -> None:
     for r in report["results"]:
         table.add_row(r["checkpoint"], *(_cell(r.get(c)) for c in cols))
     console.print(table)
+    for r in report["results"]:
+        if r.get("kernels"):
+            console.print(f"{r['checkpoint']}: kernels {kernels_cell(r['kernels'])}; "
+                          f"{r['resident_weight_bytes'] / 1e6:.1f} MB of weights resident", highlight=False)
     for name, r in _rows_with_baseline(report):
         for task, m in r.get("tasks", {}).items():
             console.print(f"{name}: task {task} acc {m['acc']} acc_norm {m['acc_norm']} (n={m['n']})")
         if "throughput" in r:
             t = r["throughput"]
             console.print(f"{name}: prefill {t['prefill_tok_s']} tok/s, decode b1 {t.get('decode_tok_s_b1')} tok/s, "
-                          f"b8 {t.get('decode_tok_s_b8')} tok/s, ttft {t['ttft_ms']} ms, peak {t['peak_memory_bytes'] / 1e6:.0f} MB")
+                          f"b8 {t.get('decode_tok_s_b8')} tok/s, ttft {t['ttft_ms']} ms, peak {t['peak_memory_bytes'] / 1e6:.0f} MB"
+                          + (f", weights {t['resident_weight_bytes'] / 1e6:.1f} MB resident" if "resident_weight_bytes" in t else ""))
     for target, m in speculative_rows(report):
         console.print(f"{target} <- {m['draft']} ({m['tree']}, T={m['temperature']}): acceptance {m['acceptance_rate']}, "
                       f"mean accepted length {m['mean_accepted_length']}, {m['tokens_per_s']} tok/s vs plain "

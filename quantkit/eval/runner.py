@@ -18,6 +18,7 @@ from quantkit.eval.metrics import TOKEN_FIELDS, nll_only, perplexity, summarize,
 from quantkit.formats.manifest import MANIFEST, package_versions, quantized_weight_stats, verify_manifest
 from quantkit.compute import ComputeChoice, choose_compute_dtype, matmul_shapes
 from quantkit.progress import announce, progress_bar
+from quantkit.runtime.dispatch import KERNEL_MODES
 from quantkit.runtime.model import RuntimeModel, check_model_folder, load_model, read_config, resolve_dtype
 
 
@@ -41,6 +42,7 @@ class EvalOptions:
     min_top1: float | None = None
     cache_dir: Path | None = None
     speculative: SpecOptions = field(default_factory=SpecOptions)
+    kernels: str = "auto"  # auto | reference (runtime/dispatch.py)
 
 
 @dataclass
@@ -156,6 +158,8 @@ def validate_options(opts: EvalOptions) -> None:
         raise InputError("--max-kl must be >= 0")
     if opts.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise InputError(f"unknown --compute-dtype {opts.dtype!r}: use auto, float32, bfloat16 or float16")
+    if opts.kernels not in KERNEL_MODES:
+        raise InputError(f"unknown --kernels {opts.kernels!r}: use {' or '.join(KERNEL_MODES)}")
 
 
 def compute_for(path: Path, requested: str, device: torch.device) -> ComputeChoice:
@@ -208,7 +212,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
         cache = BaselineCache(base_path, data.fingerprint, dtype, opts.cache_dir)
         base_cached = cache.complete
         needs_model = not base_cached or bool(tasks) or bool(opts.lm_eval_tasks) or opts.throughput
-        base = load_model(base_path, dtype, device) if needs_model else None
+        base = load_model(base_path, dtype, device, kernels=opts.kernels) if needs_model else None
         if not base_cached:
             task = progress.add_task("baseline", total=n_blocks, info=base_src.label)
 
@@ -226,13 +230,14 @@ def run_eval(opts: EvalOptions) -> EvalRun:
                     "cached": base_cached, "cache_key": cache.key,
                     **size_figures(base_path, dtype)}
         if base is not None:
+            baseline["resident_weight_bytes"] = base.resident_weight_bytes
             baseline.update(_extras(base, base_tok, tasks, opts, device, evaluate_task))
         del base
 
         results, token_kl, outputs = [], {}, []
         for ckpt in checkpoints:
             compute = compute_for(ckpt, opts.dtype, device)
-            rt = load_model(ckpt, compute.dtype, device)
+            rt = load_model(ckpt, compute.dtype, device, kernels=opts.kernels)
             if rt.vocab_size != cache.read(0).shape[-1]:
                 raise InputError(f"{ckpt} produces {rt.vocab_size} logits per token, the baseline {cache.read(0).shape[-1]}")
             task = progress.add_task("evaluate", total=n_blocks, info=ckpt.name)
@@ -246,7 +251,8 @@ def run_eval(opts: EvalOptions) -> EvalRun:
                 progress.advance(task, batch.shape[0])
             stats = {k: torch.cat(v) for k, v in parts.items()}
             row = {"checkpoint": str(ckpt), **summarize(stats), **size_figures(ckpt, rt.dtype),
-                   "formats": rt.formats, "compute": compute.to_dict()}
+                   "resident_weight_bytes": rt.resident_weight_bytes, "formats": rt.formats, "kernels": rt.kernels,
+                   "compute": compute.to_dict()}
             row.update(_extras(rt, base_tok, tasks, opts, device, evaluate_task))
             if prompts is not None and not spec.grid:
                 outputs.extend(_speculative_row(row, rt, str(ckpt), base_tok, prompts, spec, compute.dtype, device,
@@ -306,7 +312,8 @@ def _speculative_grid(checkpoints, tokenizer, prompts, spec: SpecOptions, opts: 
     from quantkit.runtime.speculative import ModelDraft
 
     eos = tokenizer.eos_token_id
-    models = {str(c): load_model(c, compute_for(c, opts.dtype, device).dtype, device) for c in checkpoints}
+    models = {str(c): load_model(c, compute_for(c, opts.dtype, device).dtype, device, kernels=opts.kernels)
+              for c in checkpoints}
     rows, outputs = [], []
     for target, rt in models.items():
         plain = spec_eval.plain_outputs(rt, prompts, spec, eos)

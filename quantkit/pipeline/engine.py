@@ -325,12 +325,9 @@ def _static_input_scale(ctx: LayerContext, name: str) -> torch.Tensor:
 
 
 def _simulate_activations(ctx: LayerContext, name: str, input_scale: torch.Tensor | None):
-    from quantkit.runtime.formats import TensorArgs
-    from quantkit.runtime.reference import quantize_activation
+    from quantkit.quant.activations import quantize_activation
 
-    a = ctx.scheme_for(name).input_activations
-    args = TensorArgs(type=a.type, num_bits=a.num_bits, symmetric=True, strategy=a.strategy,
-                      group_size=a.group_size, dynamic=a.dynamic)
+    args = ctx.scheme_for(name).input_activations
 
     def hook(module, inputs):
         x = inputs[0]

@@ -19,6 +19,20 @@ class ActivationArgs:
     strategy: str = "token"  # "token" | "tensor" | "group"
     dynamic: bool = True  # False: a static `input_scale` calibrated offline
     group_size: int | None = None
+    symmetric: bool = True
+
+    @property
+    def qmin(self) -> float:
+        return -448.0 if self.type == "float" else float(-(1 << (self.num_bits - 1)))
+
+    @property
+    def qmax(self) -> float:
+        return 448.0 if self.type == "float" else float((1 << (self.num_bits - 1)) - 1)
+
+    @property
+    def half_range(self) -> float:
+        """(qmax - qmin) / 2, the symmetric scale divisor (int8: 127.5, fp8 e4m3: 448)."""
+        return (self.qmax - self.qmin) / 2
 
 
 @dataclass(frozen=True)

@@ -1,37 +1,114 @@
 """The single dispatch point for quantised ops.
 
-`linear(x, layer)` runs a registered kernel for (the layer's op kind, x's device type) if there is one,
-else the exact torch reference. CUDA kernels from csrc/ register here; QUANTKIT_REFERENCE=1 forces the
-reference everywhere (for kernel-vs-reference tests).
+Kernels (`quantkit.runtime.kernels.base.Kernel`) register by name per device type with a priority. At load,
+`prepare_layer` offers each quantised linear to the kernels of its device in priority order; the first whose
+`supports` accepts the format and whose `prepare` succeeds repacks the layer and serves it from then on.
+A linear no kernel takes runs the torch reference (`runtime/reference.py`, also the oracle the kernels are
+tested against), and the load says so in one warning line. `kernels="reference"`, or QUANTKIT_REFERENCE=1 in
+the environment when the model is loaded, sends every linear to the reference.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable
+import sys
+from collections import defaultdict
 
 import torch
 
+from quantkit.errors import InputError
 from quantkit.runtime import reference
+from quantkit.runtime.kernels.base import NotSupported
 
-Kernel = Callable[[torch.Tensor, "torch.nn.Module"], torch.Tensor]
-_KERNELS: dict[tuple[str, str], Kernel] = {}
-
-
-def register_kernel(kind: str, device_type: str, fn: Kernel) -> None:
-    """Route `kind` ops (w4a16, w8a16, int8, fp8) on `device_type` (cpu, cuda) to `fn(x, layer)`."""
-    _KERNELS[(kind, device_type)] = fn
+KERNEL_MODES = ("auto", "reference")
+_KERNELS: dict[str, dict[str, tuple[int, object]]] = defaultdict(dict)  # device type -> name -> (priority, kernel)
+_WARNED: set[str] = set()
+_BUILTIN = False
 
 
-def unregister_kernel(kind: str, device_type: str) -> None:
-    _KERNELS.pop((kind, device_type), None)
+def register_kernel(kernel, device_type: str, priority: int = 100) -> None:
+    """Offer `kernel` for linears on `device_type` (cpu, cuda); lower priorities are tried first."""
+    _KERNELS[device_type][kernel.name] = (priority, kernel)
 
 
-def kernel_for(kind: str, device_type: str) -> Kernel:
-    if os.environ.get("QUANTKIT_REFERENCE"):
-        return reference.linear
-    return _KERNELS.get((kind, device_type), reference.linear)
+def unregister_kernel(name: str, device_type: str) -> None:
+    _KERNELS[device_type].pop(name, None)
+
+
+def kernels_for(device_type: str) -> list:
+    global _BUILTIN
+    if not _BUILTIN:
+        from quantkit.runtime.kernels import register_builtin
+
+        _BUILTIN = True
+        register_builtin()
+    return [k for _, k in sorted(_KERNELS[device_type].values(), key=lambda pk: pk[0])]
+
+
+def warn_once(message: str) -> None:
+    """One line on stderr, the first time this message comes up in the process."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def check_mode(kernels: str) -> str:
+    if kernels not in KERNEL_MODES:
+        raise InputError(f"unknown kernels {kernels!r}: use {' or '.join(KERNEL_MODES)}")
+    return "reference" if os.environ.get("QUANTKIT_REFERENCE") else kernels
+
+
+def describe(fmt) -> str:
+    w = fmt.weights
+    what = f"{fmt.kind} {fmt.format} {w.strategy}" + (f" {w.group_size}" if w.strategy == "group" else "")
+    return what + ("" if w.symmetric else " asym") + (" act-order" if w.actorder else "")
+
+
+def prepare_layer(layer, mode: str = "auto") -> tuple[str, str | None]:
+    """Attach the first kernel that serves `layer` (see module doc). Returns (kernel name, why the reference
+    runs it when no kernel took it under mode auto, else None)."""
+    if check_mode(mode) == "reference":
+        return "reference", None
+    ref = layer.weight_scale
+    device, shape = ref.device, (layer.out_features, layer.in_features)
+    refused = []
+    for kernel in kernels_for(device.type):
+        if not kernel.supports(layer.fmt, device, shape, layer.compute_dtype):
+            continue
+        try:
+            prepared = kernel.prepare(layer)
+        except (NotSupported, RuntimeError) as exc:  # or a torch op refusing this layer: the next kernel may take it
+            refused.append(f"{kernel.name}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            continue
+        layer.attach(kernel, prepared)
+        return kernel.name, None
+    return "reference", "; ".join(refused) or f"no {device.type} kernel"
+
+
+def prepare_model(model: torch.nn.Module, mode: str = "auto") -> dict[str, dict[str, int]]:
+    """Prepare every QuantLinear; returns op kind -> kernel name -> number of linears it serves."""
+    from quantkit.runtime.linear import QuantLinear
+
+    mode = check_mode(mode)
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    fallbacks: dict[str, int] = defaultdict(int)
+    device = None
+    for module in model.modules():
+        if not isinstance(module, QuantLinear):
+            continue
+        device = module.weight_scale.device.type
+        name, why = prepare_layer(module, mode)
+        counts[module.kind][name] += 1
+        if why is not None:
+            fallbacks[f"{describe(module.fmt)} ({why})"] += 1
+    if fallbacks:
+        what = ", ".join(f"{n} x {d}" for d, n in fallbacks.items())
+        warn_once(f"no {device or 'cpu'} kernel for {sum(fallbacks.values())} quantised linear(s): {what}; "
+                  "they run the torch reference (slower)")
+    return {kind: dict(by_kernel) for kind, by_kernel in counts.items()}
 
 
 def linear(x: torch.Tensor, layer) -> torch.Tensor:
-    return kernel_for(layer.kind, x.device.type)(x, layer)
+    if layer.kernel is None:
+        return reference.linear(x, layer)
+    return layer.kernel.run(x, layer.prepared)

@@ -1,17 +1,22 @@
-"""QuantLinear: a linear layer stored as compressed-tensors tensors, computed through `dispatch.linear`."""
+"""QuantLinear: a linear layer stored as compressed-tensors tensors, computed through `dispatch.linear`.
+
+Until a kernel is attached (`dispatch.prepare_layer`) it holds the checkpoint's tensors and runs the torch
+reference. Attaching a kernel hands it the layer once to repack into the kernel's own layout (`prepared`), after
+which the checkpoint tensors are released, so a layer never holds two copies of its weight.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from quantkit.runtime import dispatch, reference
+from quantkit.runtime import dispatch
 from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS, LinearFormat
 
 
 class QuantLinear(nn.Module):
     def __init__(self, fmt: LinearFormat, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.fmt = fmt
         self.kind = fmt.kind
@@ -19,19 +24,31 @@ class QuantLinear(nn.Module):
         for name in (*WEIGHT_TENSORS, *INPUT_TENSORS):
             self.register_buffer(name, tensors.get(name))
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self._dense: dict[tuple, torch.Tensor] = {}
+        # The dtype activations arrive in (kernels pick their layout for it); default: the scales' dtype.
+        self.compute_dtype = compute_dtype or tensors["weight_scale"].dtype
+        self.kernel = None  # None: the torch reference on the checkpoint tensors
+        self.prepared = None
 
-    def dense_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The dequantised weight, computed once per (dtype, device) and kept (the reference path's speed)."""
-        key = (dtype, str(device))
-        w = self._dense.get(key)
-        if w is None:
-            w = self._dense[key] = reference.dequantize_weight(self, dtype).to(device=device, dtype=dtype)
-        return w
+    def attach(self, kernel, prepared) -> None:
+        """Serve this layer with `kernel` from now on; the checkpoint tensors are no longer needed."""
+        self.kernel, self.prepared = kernel, prepared
+        for name in (*WEIGHT_TENSORS, *INPUT_TENSORS):
+            self._buffers[name] = None
+
+    @property
+    def kernel_name(self) -> str:
+        return "reference" if self.kernel is None else self.kernel.name
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer keeps: its buffers, bias and the kernel's prepared tensors."""
+        own = [t for t in (*self._buffers.values(), *self._parameters.values()) if t is not None]
+        return own + ([] if self.prepared is None else self.prepared.tensors())
 
     def _apply(self, fn, recurse=True):
-        self._dense.clear()  # moved or cast: the cache would hold stale copies
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        if self.prepared is not None:
+            self.prepared.apply(fn)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch.linear(x, self)
@@ -39,4 +56,5 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         w = self.fmt.weights
         detail = f"{w.strategy}" + (f" g{w.group_size}" if w.strategy == "group" else "")
-        return f"in={self.in_features}, out={self.out_features}, {self.fmt.format} {self.kind} {detail}"
+        return (f"in={self.in_features}, out={self.out_features}, {self.fmt.format} {self.kind} {detail}, "
+                f"kernel={self.kernel_name}")

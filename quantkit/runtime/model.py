@@ -4,7 +4,9 @@ The transformers skeleton is built from config.json (without its quantization_co
 device, so every architecture transformers knows keeps its own attention, norms and rotary code. Fused
 MoE experts become per-expert modules (`UnfusedExperts`) and sparse-MoE blocks the runtime's own
 `RuntimeMoE` (explicit router, observer hooks: `runtime/moe.py`); every linear that has quantised tensors on
-disk becomes a `QuantLinear`; everything else is read from the safetensors as it is.
+disk becomes a `QuantLinear` (its tensors checked against the config first); everything else is read from
+the safetensors as it is. Then each QuantLinear is offered to the kernels of its device (`dispatch`), which
+repack it once into their own layout.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from quantkit.models.experts import unfuse_experts
 from quantkit.models.loader import ModelHandle, _get, _set
 from quantkit.models.safetensors_index import SafetensorsIndex
 from quantkit.models.source import ResolvedModel
+from quantkit.runtime import dispatch
 from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS, QuantConfig, parse_quantization_config
 from quantkit.runtime.linear import QuantLinear
 from quantkit.runtime.moe import install_runtime_moe
+from quantkit.runtime.validate import check_linear_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,6 +44,13 @@ class RuntimeModel:
     device: torch.device
     quant_config: QuantConfig | None = None
     formats: dict[str, int] = field(default_factory=dict)  # op kind -> number of quantised linears
+    kernels: dict[str, dict[str, int]] = field(default_factory=dict)  # op kind -> kernel name -> linears served
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        """Bytes of every tensor the model holds (parameters, buffers, kernels' prepared tensors), each
+        storage counted once (tied embeddings, zero-copy kernel views of checkpoint tensors)."""
+        return resident_bytes(self.model)
 
     @property
     def vocab_size(self) -> int:
@@ -47,6 +58,20 @@ class RuntimeModel:
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
+
+
+def resident_bytes(model: nn.Module) -> int:
+    storages: dict[tuple, int] = {}
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [t for m in model.modules() if isinstance(m, QuantLinear) and m.prepared is not None
+                for t in m.prepared.tensors()]
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        st = t.untyped_storage()
+        key = (t.device.type, t.device.index, st.data_ptr())
+        storages[key] = max(storages.get(key, 0), st.nbytes())
+    return sum(storages.values())
 
 
 def check_model_folder(path: Path, what: str = "checkpoint") -> Path:
@@ -144,9 +169,13 @@ def _read(index: SafetensorsIndex, name: str, device, dtype=None) -> torch.Tenso
 
 @torch.no_grad()
 def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-               trust_remote_code: bool = False, runtime_moe: bool = True) -> RuntimeModel:
+               trust_remote_code: bool = False, runtime_moe: bool = True, kernels: str = "auto") -> RuntimeModel:
     """Build the runtime model; `dtype` None = the checkpoint's own dtype (what its consumers compute in).
-    `runtime_moe` False keeps transformers' own sparse-MoE blocks (no router hooks; an oracle for tests)."""
+    `runtime_moe` False keeps transformers' own sparse-MoE blocks (no router hooks; an oracle for tests).
+
+    kernels: "auto" serves each quantised linear with the first kernel for its format and device (the torch
+    reference where none does, warned once); "reference" runs everything through the torch reference."""
+    mode = dispatch.check_mode(kernels)
     path = check_model_folder(Path(path))
     config, qc_raw, model = _skeleton(path, trust_remote_code)
     if qc_raw and qc_raw.get("quant_method") == "fp8":
@@ -183,8 +212,9 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
             raise InputError(f"{path}: {ckpt} is {fmt.format} but has no weight tensor")
         if fmt.input is not None and not fmt.input.dynamic and "input_scale" not in tensors:
             raise InputError(f"{path}: {ckpt} has static activation quantisation but no input_scale")
+        check_linear_tensors(str(path), ckpt, fmt, tensors, module.in_features, module.out_features)
         bias = _read(index, f"{ckpt}.bias", device, dtype) if module.bias is not None else None
-        _set(model, name, QuantLinear(fmt, tensors, module.in_features, module.out_features, bias))
+        _set(model, name, QuantLinear(fmt, tensors, module.in_features, module.out_features, bias, dtype))
         formats[fmt.kind] += 1
 
     # Everything else: parameters and persistent buffers the checkpoint holds, in the compute dtype.
@@ -217,7 +247,8 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
         raise InputError(f"{path}: tensors missing from the checkpoint: {', '.join(leftover[:3])}")
     model.eval()
     model.config.use_cache = True
-    return RuntimeModel(model, path, config, dtype, device, quant, dict(formats))
+    kernel_counts = dispatch.prepare_model(model, mode)
+    return RuntimeModel(model, path, config, dtype, device, quant, dict(formats), kernel_counts)
 
 
 def read_config(path: Path) -> dict:

@@ -84,6 +84,30 @@ def test_json_report_keys_and_kl_against_plain_transformers(ckpts, tiny_models):
     assert row["kl_mean"] == pytest.approx(kl, rel=1e-4)
     assert row["ppl"] == pytest.approx(ppl, rel=1e-4)
     assert 0 < row["kl_mean"] and 0 < row["top1_agree"] <= 1 and row["bits_per_weight"] > 4
+    # fp32 tiny model: the C++ kernel serves all 14 linears (torch's int4 op is for bf16/fp16 activations).
+    assert row["kernels"] == {"w4a16": {"cpu-dequant": 14}}
+    assert 0 < row["resident_weight_bytes"] <= 1.15 * row["size_bytes"]
+
+
+def test_kernels_option(ckpts, tmp_path):
+    _one_line(_eval(ckpts["w4"], *DATA, "--kernels", "bogus"), 2, "unknown --kernels 'bogus': use auto or reference")
+    auto = _json(_eval(ckpts["w4"], "--json", *DATA))["results"][0]
+    ref = _json(_eval(ckpts["w4"], "--json", *DATA, "--kernels", "reference"))["results"][0]
+    assert ref["kernels"] == {"w4a16": {"reference": 14}}
+    # Same checkpoint, same data: the kernel changes fp32 rounding only.
+    assert auto["kl_mean"] == pytest.approx(ref["kl_mean"], rel=1e-3)
+    # A packed tensor that disagrees with the config: named, one line, exit 1 (manifest removed so the shape
+    # check, not the hash check, is what refuses it).
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "truncated"
+    shutil.copytree(ckpts["w4"], bad)
+    (bad / "quantkit_manifest.json").unlink()
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight_packed"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    _one_line(_eval(bad, "--baseline", ckpts["w4"], *DATA), 1, name)
 
 
 def test_gates_fail_and_pass_when_they_should(ckpts):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-from quantkit.errors import InputError
+from quantkit.errors import InputError, QuantkitError
 from quantkit.runtime import load_model
 from quantkit.runtime.linear import QuantLinear
 from tests.runtime.ct_fixtures import build_ct_checkpoint, ct_cases, make_base
@@ -19,8 +19,8 @@ def _transformers_logits(path, ids, dequantize=False):
         return model(ids).logits.float()
 
 
-def _runtime_logits(path, ids):
-    rt = load_model(path)
+def _runtime_logits(path, ids, kernels="reference"):
+    rt = load_model(path, kernels=kernels)
     with torch.no_grad():
         return rt(input_ids=ids).logits.float(), rt
 
@@ -31,18 +31,50 @@ def ct_bases(tmp_path_factory):
     return root, {64: make_base(root / "base64", 64), 256: make_base(root / "base256", 256)}
 
 
-@pytest.mark.parametrize("case", list(ct_cases()))
-def test_compressed_tensors_formats_match_transformers_bitwise(ct_bases, case):
+@pytest.fixture(scope="module")
+def ct_paths(ct_bases):
     root, bases = ct_bases
-    scheme, static = ct_cases()[case]
-    base = bases[256 if case == "fp8_block" else 64]
-    path = build_ct_checkpoint(base, root / case, scheme, static_input=static)
+    made = {}
+
+    def build(case):
+        if case not in made:
+            scheme, static = ct_cases()[case]
+            made[case] = build_ct_checkpoint(bases[256 if case == "fp8_block" else 64], root / case, scheme,
+                                             static_input=static)
+        return made[case]
+
+    return build
+
+
+@pytest.mark.parametrize("case", list(ct_cases()))
+def test_compressed_tensors_formats_match_transformers_bitwise(ct_paths, case):
+    path = ct_paths(case)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     # Asymmetric pack-quantized only loads in transformers through its dequantize=True path.
     ref = _transformers_logits(path, ids, dequantize="asym" in case)
-    got, rt = _runtime_logits(path, ids)
+    got, rt = _runtime_logits(path, ids, kernels="reference")
     assert sum(rt.formats.values()) == 14  # 2 layers x 7 linears, lm_head ignored
+    assert rt.kernels == {next(iter(rt.formats)): {"reference": 14}}
     assert torch.equal(got, ref), f"max diff {(got - ref).abs().max().item()}"
+
+
+@pytest.mark.parametrize("case", list(ct_cases()))
+def test_compressed_tensors_formats_with_kernels_match_transformers_closely(ct_paths, case):
+    path = ct_paths(case)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref = _transformers_logits(path, ids, dequantize="asym" in case)
+    got, rt = _runtime_logits(path, ids, kernels="auto")
+    assert "reference" not in next(iter(rt.kernels.values())), rt.kernels  # a kernel served every linear
+    # The checkpoints compute in bf16 (8-bit mantissa). Each kernel output differs from the reference's by
+    # bf16 rounding only (~0.3% RMS per linear, tested layer by layer in test_kernels.py: fp32 accumulation of
+    # exact products instead of bf16-rounded dequantised weights). Weight-only formats carry that to the logits
+    # about unchanged (measured ~0.6%; bound 1.5%). Where activations are quantised, such a difference flips
+    # some roundings of the next layer's int8 / fp8 activations (one int8 step is up to 1/127 of a token's
+    # range, one e4m3 step 1/8 of a value), so the logits move more (measured 1-4%; bound 6%). A wrong scale,
+    # group or zero point moves logits by their own magnitude (~100%).
+    err = (got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
+    bound = 0.015 if rt.quant_config.groups[0][1].input is None else 0.06
+    assert err < bound, f"relative RMS error {err.item():.4f} with kernels {rt.kernels}"
 
 
 def _quantize(model_dir, out, scheme, group_size):
@@ -77,6 +109,19 @@ def test_quantkit_checkpoints_match_transformers(tiny_models, tmp_path, family, 
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     else:
         assert torch.equal(got, ref), f"max diff {(got - ref).abs().max().item()}"
+
+
+@pytest.mark.parametrize("family,scheme,group", [("llama", "W4A16", 32), ("qwen2", "W4A16_ASYM", 32),
+                                                 ("mixtral", "W8A16", -1), ("deepseek_v3", "W4A16", 32)])
+def test_quantkit_checkpoints_with_kernels_match_transformers_closely(tiny_models, tmp_path, family, scheme, group):
+    path = _quantize(tiny_models[family], tmp_path / "q", scheme, group)
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    got, rt = _runtime_logits(path, ids, kernels="auto")
+    assert all("reference" not in by_kernel for by_kernel in rt.kernels.values()), rt.kernels
+    ref = _transformers_logits(path, ids, dequantize=scheme.endswith("ASYM"))
+    # fp32 models: the kernels accumulate in fp32 in another order than the BLAS (and add zero points as
+    # -zp * scale), so logits agree to a few fp32 ulps of the sums they come from, far below any format error.
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_plain_model_matches_transformers(tiny_models):
@@ -117,3 +162,53 @@ def test_bad_folders_are_one_line_errors(tmp_path, tiny_models):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match="gptq"):
         load_model(bad)
+
+
+@pytest.fixture(scope="module")
+def w4_tiny(tiny_models, tmp_path_factory):
+    return _quantize(tiny_models["llama"], tmp_path_factory.mktemp("w4") / "q", "W4A16", 32)
+
+
+def _edit_tensor(path, name, edit):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[name] = edit(tensors[name]).contiguous()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+UP = "model.layers.1.mlp.up_proj"  # [128, 64]: 64 inputs of 4 bits pack into 8 int32 words; 2 groups of 32
+
+
+@pytest.mark.parametrize("tensor,edit,message", [
+    ("weight_packed", lambda t: t[:, :-1], "weight_packed is int32 [128, 7] but 128 x 64 4-bit values pack into int32 [128, 8]"),
+    ("weight_packed", lambda t: t.to(torch.int16), "weight_packed is int16 [128, 8] but 128 x 64 4-bit values pack into int32 [128, 8]"),
+    ("weight_scale", lambda t: t[:, :1], "weight_scale has shape [128, 1] but group scales of a [128, 64] weight "
+                                          "(groups of 32) are [128, 2]"),
+    ("weight_shape", lambda t: t.flip(0), "weight_shape is [64, 128] but the model config makes this linear [128, 64]"),
+])
+def test_tensors_that_disagree_with_their_shape_are_named_and_exit_1(w4_tiny, tmp_path, tensor, edit, message):
+    import shutil
+
+    path = tmp_path / "bad"
+    shutil.copytree(w4_tiny, path)
+    _edit_tensor(path, f"{UP}.{tensor}", edit)
+    with pytest.raises(QuantkitError) as info:
+        load_model(path)
+    assert info.value.exit_code == 1
+    assert str(info.value) == f"{path}: {UP}.{message}"
+
+
+def test_tensors_that_disagree_with_the_config_are_named_and_exit_1(w4_tiny, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "bad"
+    shutil.copytree(w4_tiny, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 16  # tensors say 32
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantkitError, match=r"q_proj\.weight_scale has shape \[64, 2\] but group scales .* "
+                                            r"\(groups of 16\) are \[64, 4\]") as info:
+        load_model(path)
+    assert info.value.exit_code == 1

@@ -108,22 +108,65 @@ def test_int8_activation_quant_against_a_plain_loop():
             assert got[r, c] == q * s
 
 
-def test_dispatch_routes_to_a_registered_kernel_and_reference_can_be_forced(monkeypatch):
+class _PlusOne:
+    """A test kernel: the reference product plus one, so its output is recognisable."""
+
+    name = "plus-one"
+
+    def supports(self, fmt, device, shape, dtype):
+        return fmt.kind == "w4a16"
+
+    def prepare(self, layer):
+        from quantkit.runtime.kernels.base import Prepared
+
+        p = Prepared(layer.in_features, layer.out_features, None)
+        p.weight = reference.dequantize_weight(layer)  # a test kernel may hold what it likes
+        return p
+
+    def run(self, x, p):
+        return torch.nn.functional.linear(x, p.weight) + 1
+
+
+class _Refuses(_PlusOne):
+    name = "refuses"
+
+    def prepare(self, layer):
+        from quantkit.runtime.kernels.base import NotSupported
+
+        raise NotSupported("never")
+
+
+def test_dispatch_routes_to_the_first_kernel_that_prepares_and_reference_can_be_forced(monkeypatch):
     w = torch.randn(8, 32, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    layer, *_ = _packed_layer(w, 4, True, 16)
     x = torch.randn(2, 32).to(torch.bfloat16)
-    calls = []
-
-    def kernel(inp, lyr):
-        calls.append(lyr)
-        return reference.linear(inp, lyr) + 1
-
-    dispatch.register_kernel("w4a16", "cpu", kernel)
+    expected = torch.nn.functional.linear(x, reference.dequantize_weight(_packed_layer(w, 4, True, 16)[0]))
+    dispatch.register_kernel(_Refuses(), "cpu", priority=-2)  # tried first, refuses at prepare
+    dispatch.register_kernel(_PlusOne(), "cpu", priority=-1)
     try:
-        assert torch.equal(layer(x), reference.linear(x, layer) + 1) and calls == [layer]
+        layer = _packed_layer(w, 4, True, 16)[0]
+        assert dispatch.prepare_layer(layer) == ("plus-one", None)
+        assert layer.weight_packed is None and layer.weight_scale is None  # checkpoint tensors released
+        assert torch.equal(layer(x), expected + 1)
+        forced = _packed_layer(w, 4, True, 16)[0]
         monkeypatch.setenv("QUANTKIT_REFERENCE", "1")
-        assert torch.equal(layer(x), reference.linear(x, layer)) and len(calls) == 1
+        assert dispatch.prepare_layer(forced) == ("reference", None)
+        assert torch.equal(forced(x), expected) and forced.weight_packed is not None
     finally:
-        dispatch.unregister_kernel("w4a16", "cpu")
-    expected = torch.nn.functional.linear(x, reference.dequantize_weight(layer))
-    assert torch.equal(layer(x), expected)
+        dispatch.unregister_kernel("plus-one", "cpu")
+        dispatch.unregister_kernel("refuses", "cpu")
+    assert torch.equal(_packed_layer(w, 4, True, 16)[0](x), expected)  # unprepared: the reference
+
+
+def test_reference_in_row_blocks_matches_one_dense_product(monkeypatch):
+    # Large layers are dequantised a block of output rows at a time; every output still sums the same terms.
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 64, generator=gen)
+    g_idx = (torch.randperm(64, generator=gen) // 16).to(torch.int32)
+    layer = _packed_layer(w, 4, False, 16, g_idx=g_idx, dtype=torch.float32)[0]
+    layer.bias = torch.nn.Parameter(torch.randn(48, generator=gen), requires_grad=False)
+    x = torch.randn(3, 5, 64, generator=gen)
+    whole = reference.linear(x, layer)
+    monkeypatch.setattr(reference, "TILE_ELEMENTS", 64 * 7)  # 7 rows a block: ragged last block
+    blocks = reference.linear(x, layer)
+    torch.testing.assert_close(blocks, whole, rtol=1e-6, atol=1e-6)  # fp32: only the BLAS blocking may differ
+    assert torch.equal(whole, torch.nn.functional.linear(x, reference.dequantize_weight(layer), layer.bias))

@@ -1,0 +1,147 @@
+"""`cpu-dequant`: the C++ kernel in csrc/cpu/dequant_gemm.cpp, for every weight format the torch ops do not
+cover (fp32 activations, group-wise W8A16, asymmetric or ragged shapes torch refuses, FP8 weights).
+
+The weight stays in its stored bytes (4-bit nibbles, int8 or e4m3: zero-copy views of the checkpoint tensors
+where their layout allows) with fp32 scales and int8 zero points; the kernel decodes it eight weights at a
+time inside the product and accumulates in fp32, whatever the activation dtype (bf16 matmuls are slow on
+CPUs without AVX512-BF16, and fp32 keeps the oracle's precision). Activations of W8A8/FP8 formats are
+fake-quantised first in their own dtype, exactly as the reference does.
+
+The extension is compiled at first use with torch.utils.cpp_extension (AVX2 + FMA + F16C) into
+`<quantkit cache>/kernels/`; a machine without a compiler or AVX2 gets one warning and the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantkit.quant.activations import quantize_activation
+from quantkit.runtime.kernels.base import (NotSupported, Prepared, act_order, finish, flat, scale_grid, signed_weight,
+                                           unsigned_weight, zero_grid)
+
+SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "cpu" / "dequant_gemm.cpp"
+CODES = {"u4": 0, "i8": 1, "e4m3": 2}
+# Batches up to this many rows decode the weight inside the product; larger ones dequantise cache-sized row
+# tiles for the BLAS (the decode is then paid once per tile instead of once per 8 rows of x).
+GEMV_MAX_ROWS = 16
+
+
+def _cpu_has_avx2() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    have = set(flags.split(":", 1)[1].split())
+    return {"avx2", "fma", "f16c"} <= have
+
+
+@functools.cache
+def extension():
+    """The compiled extension module, or None (after one warning) where it cannot be built or run."""
+    from quantkit.models.source import cache_dir
+    from quantkit.runtime.dispatch import warn_once
+
+    if not _cpu_has_avx2():
+        warn_once("cpu-dequant: this CPU has no AVX2/FMA/F16C; linears it would serve run the torch reference")
+        return None
+    try:
+        src = SOURCE.read_bytes()
+    except OSError:
+        warn_once(f"cpu-dequant: kernel source {SOURCE} is missing; linears it would serve run the torch reference")
+        return None
+    tag = hashlib.sha256(src + torch.__version__.encode()).hexdigest()[:12]
+    build = cache_dir() / "kernels" / f"cpu-dequant-{tag}"
+    try:
+        from torch.utils.cpp_extension import load
+
+        build.mkdir(parents=True, exist_ok=True)
+        return load(name=f"quantkit_cpu_dequant_{tag}", sources=[str(SOURCE)], build_directory=str(build),
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
+    except Exception as exc:  # a missing compiler, headers or ninja: the reference still runs everything
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        warn_once(f"cpu-dequant: could not build the CPU kernel ({first}); linears it would serve run the torch reference")
+        return None
+
+
+@dataclass
+class Dequant(Prepared):
+    codes: torch.Tensor  # uint8 [out, bytes per row]
+    scale: torch.Tensor  # fp32 [scale rows, groups]
+    zero_point: torch.Tensor | None  # int8, like scale
+    perm: torch.Tensor | None
+    code: int
+    group: int
+    row_block: int
+    input_args: object
+    input_scale: torch.Tensor | None
+    input_zero_point: torch.Tensor | None
+
+
+def _codes(layer, perm: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    fmt = layer.fmt
+    if fmt.weights.type == "float":
+        w = layer.weight if perm is None else layer.weight[:, perm]
+        if w.dtype != torch.float8_e4m3fn:
+            raise NotSupported(f"float weights of dtype {w.dtype}")
+        return w.contiguous().view(torch.uint8), CODES["e4m3"]
+    bits = fmt.weights.num_bits
+    if fmt.format == "pack-quantized" and perm is None:
+        # The int32 bit stream read as little-endian bytes is already one byte stream per row (4 bits: two
+        # values per byte, low nibble first; 8 bits: one value per byte), each offset by 2^(bits-1).
+        raw = layer.weight_packed.contiguous().view(torch.uint8)
+        if bits == 4:
+            return raw, CODES["u4"]
+        return raw ^ 0x80, CODES["i8"]  # offset-128 bytes -> int8 two's complement
+    if bits == 8:
+        return signed_weight(layer, perm).contiguous().view(torch.uint8), CODES["i8"]
+    u = unsigned_weight(layer, perm)
+    if u.shape[1] % 2:
+        u = torch.nn.functional.pad(u, (0, 1))
+    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous(), CODES["u4"]
+
+
+class DequantKernel:
+    name = "cpu-dequant"
+
+    def supports(self, fmt, device, shape, dtype) -> bool:
+        w = fmt.weights
+        if torch.device(device).type != "cpu" or not dtype.is_floating_point:
+            return False
+        if w.type == "int" and w.num_bits not in (4, 8):
+            return False
+        if w.strategy == "block" and not w.block_structure:
+            return False
+        return extension() is not None
+
+    def prepare(self, layer) -> Dequant:
+        n, k = layer.out_features, layer.in_features
+        perm = act_order(layer)
+        codes, code = _codes(layer, perm)
+        scale, group, row_block = scale_grid(layer)
+        zp = zero_grid(layer)
+        a = layer.fmt.input
+        return Dequant(k, n, layer.bias, codes, scale.float().contiguous(),
+                       None if zp is None else zp.contiguous(), perm, code, group, row_block, a,
+                       getattr(layer, "input_scale", None), getattr(layer, "input_zero_point", None))
+
+    def run(self, x: torch.Tensor, p: Dequant) -> torch.Tensor:
+        x2 = flat(x, p.in_features)
+        if p.input_args is not None:
+            x2 = quantize_activation(x2, p.input_args, p.input_scale, p.input_zero_point)
+        if p.perm is not None:
+            x2 = x2.index_select(1, p.perm)
+        zp = p.zero_point if p.zero_point is not None else _EMPTY_I8
+        y = extension().dq_linear(x2.float().contiguous(), p.codes, p.scale, zp, p.code, p.group, p.row_block,
+                                  GEMV_MAX_ROWS)
+        return finish(y, x, p)
+
+
+_EMPTY_I8 = torch.empty(0, dtype=torch.int8)
