@@ -286,3 +286,25 @@ def test_real_smollm2_w4a16_kernels_match_the_reference(smollm2_path, tmp_path):
     fp32 = ("float32", "reference")
     assert kl(fp32, ("float32", "auto")) < 1e-4
     assert kl(fp32, ("bfloat16", "auto")) <= 1.25 * kl(fp32, ("bfloat16", "reference")) + 1e-5
+
+
+def test_a_kernel_that_does_not_build_leaves_the_reference_with_one_warning(tmp_path, monkeypatch, capsys):
+    from quantkit.runtime.kernels import cpp
+
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#error deliberately broken\n")
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpp, "SOURCE", broken)
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    cpp.extension.cache_clear()
+    try:
+        layers = [int_layer(32, 64, 4, True, 32, dtype=torch.float32, seed=s) for s in range(2)]  # fp32: cpu-dequant's
+        counts = dispatch.prepare_model(torch.nn.Sequential(*layers))
+    finally:
+        cpp.extension.cache_clear()  # the next use builds (or finds on disk) the real kernel again
+    assert counts == {"w4a16": {"reference": 2}}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith("warning: cpu-dequant: could not build the CPU kernel"), err
+    assert err[1].startswith("warning: no cpu kernel for 2 quantised linear(s)")
+    x = torch.randn(3, 64)
+    assert torch.equal(layers[0](x), reference.linear(x, int_layer(32, 64, 4, True, 32, dtype=torch.float32)))
