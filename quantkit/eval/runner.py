@@ -39,6 +39,8 @@ class EvalOptions:
     max_ppl_increase: float | None = None
     min_top1: float | None = None
     cache_dir: Path | None = None
+    moe: bool = False  # routing analysis (quantkit/eval/moe.py)
+    moe_options: object | None = None  # MoEEvalOptions; None = the defaults
 
 
 @dataclass
@@ -175,6 +177,15 @@ def run_eval(opts: EvalOptions) -> EvalRun:
     from quantkit.eval.tasks import evaluate_task, resolve_tasks
 
     tasks = resolve_tasks(opts.tasks) if opts.tasks else {}
+    moe_opts = None
+    if opts.moe:
+        from quantkit.eval.moe import MoEEvalOptions, check_moe_checkpoints, moe_spec_of
+
+        check_moe_checkpoints(checkpoints)  # a dense checkpoint is refused before any model work
+        moe_opts = opts.moe_options or MoEEvalOptions()
+        for ckpt in checkpoints:
+            spec = moe_spec_of(ckpt)
+            moe_opts.check(spec.num_experts, spec.top_k)
     base_src = resolve_model(opts.baseline if opts.baseline else default_baseline(checkpoints[0]))
     base_path = check_model_folder(base_src.path, "baseline")
     base_tok = _tokenizer(base_path)
@@ -224,6 +235,13 @@ def run_eval(opts: EvalOptions) -> EvalRun:
                 raise InputError(f"{ckpt} produces {rt.vocab_size} logits per token, the baseline {cache.read(0).shape[-1]}")
             task = progress.add_task("evaluate", total=n_blocks, info=ckpt.name)
             parts: dict[str, list] = {k: [] for k in TOKEN_FIELDS}
+            recorder = None
+            if moe_opts is not None:
+                from quantkit.eval.moe import RoutingRecorder
+                from quantkit.runtime.moe import moe_blocks
+
+                recorder = RoutingRecorder(moe_blocks(rt.model)[0].spec.num_experts)
+                handles = [b.add_router_observer(recorder) for b in moe_blocks(rt.model)]
             for s, batch in _batches(ids, opts.batch_size):
                 logits = _logits(rt, batch)
                 for j in range(batch.shape[0]):
@@ -235,6 +253,13 @@ def run_eval(opts: EvalOptions) -> EvalRun:
             row = {"checkpoint": str(ckpt), **summarize(stats), **size_figures(ckpt, rt.dtype),
                    "formats": rt.formats, "compute": compute.to_dict()}
             row.update(_extras(rt, base_tok, tasks, opts, device, evaluate_task))
+            if recorder is not None:
+                from quantkit.eval.moe import analyze_moe
+
+                for h in handles:
+                    h.remove()
+                row["moe"] = analyze_moe(rt, recorder, stats["kl"], ids, lambda i: cache.read(i), base_path,
+                                         moe_opts, opts.batch_size, compute.dtype, device)
             results.append(row)
             token_kl[str(ckpt)] = stats["kl"].float()
             del rt
