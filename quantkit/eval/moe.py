@@ -397,15 +397,19 @@ def greedy_decode(rt, prompt: torch.Tensor, steps: int, on_prefill=None) -> tupl
     """Logits [steps + 1, V] of a greedy decode with the KV cache, and the decode seconds (prefill excluded)."""
     from transformers import DynamicCache
 
+    import inspect
+
     net = rt.model
     cache = DynamicCache(config=net.config)
-    logits = [net(input_ids=prompt[None].to(rt.device), past_key_values=cache, use_cache=True).logits[0, -1]]
+    # transformers renamed `past_key_values` to `cache`; pass whichever this version's forward takes.
+    key = "cache" if "cache" in inspect.signature(net.forward).parameters else "past_key_values"
+    logits = [net(input_ids=prompt[None].to(rt.device), **{key: cache}, use_cache=True).logits[0, -1]]
     if on_prefill:
         on_prefill()
     start = time.perf_counter()
     for _ in range(steps):
         token = logits[-1].argmax(-1).view(1, 1)
-        logits.append(net(input_ids=token, past_key_values=cache, use_cache=True).logits[0, -1])
+        logits.append(net(input_ids=token, **{key: cache}, use_cache=True).logits[0, -1])
     return torch.stack(logits).cpu(), time.perf_counter() - start
 
 
