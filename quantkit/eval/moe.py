@@ -25,7 +25,7 @@ import torch
 
 from quantkit.errors import InputError
 from quantkit.models.routing_profile import count_selection
-from quantkit.runtime.moe import Routing, SelectionOverride, combine_weights
+from quantkit.runtime.moe import Routing, SelectionOverride, with_selection
 
 CAPACITY_FACTORS = (1.0, 1.25, 1.5, 2.0)
 POLICIES = ("drop", "reroute", "shared")
@@ -35,8 +35,10 @@ POLICIES = ("drop", "reroute", "shared")
 class MoEEvalOptions:
     capacity_factors: tuple[float, ...] = CAPACITY_FACTORS
     policies: tuple[str, ...] = ("drop", "reroute", "shared")
-    bias_rate: float = 0.05
-    bias_step_tokens: int = 256
+    # u = 0.1 decision margins every 16 tokens: a few hundred tokens move the bias by several margins, enough to
+    # undo a 2x imbalance within one short eval block.
+    bias_rate: float = 0.1
+    bias_step_tokens: int = 16
     samples: int = 8  # token blocks for drift, capacity and bias runs (the first ones of the eval set)
     offload_cache: tuple[int, ...] = ()  # cache sizes (experts per layer) for the offload runs; () = E/2
     offload_runs: tuple[tuple[str, bool], ...] = (("lru", False), ("lfu", False), ("trace", False),
@@ -209,16 +211,9 @@ def capacity_override(gamma: float, policy: str, stats: CapacityStats) -> Select
         stats.rerouted += int(((new != routing.selected.cpu()) & (new >= 0)).sum())
         stats.calls += 1
         stats.over_capacity += int(after.max() > cap)
-        return dataclasses_replace(routing, new.to(routing.selected.device), hidden)
+        return with_selection(routing, new.to(routing.selected.device), hidden)
 
     return override
-
-
-def dataclasses_replace(routing: Routing, selected: torch.Tensor, hidden: torch.Tensor) -> Routing:
-    import dataclasses
-
-    return dataclasses.replace(routing, selected=selected,
-                               weights=combine_weights(routing.spec, routing.scores, selected, hidden.dtype))
 
 
 # ---------------------------------------------------------------------------------- bias balancing
@@ -261,7 +256,7 @@ def bias_balancing(state: BiasState) -> SelectionOverride:
             state.bias[layer] += state.unit[layer] * torch.sign(load.mean() - load)
             state.steps += 1
             parts.append(sel)
-        return dataclasses_replace(routing, torch.cat(parts), hidden)
+        return with_selection(routing, torch.cat(parts), hidden)
 
     return override
 

@@ -223,7 +223,6 @@ class ExpertCache:
     # ---------------------------------------------------------------------------------- prefetch
 
     def _install_prefetch(self, rt) -> None:
-        from quantkit.models.adapters import adapter_for  # noqa: F401  (layers path below)
         from quantkit.runtime.model import _generic_adapter
         from quantkit.models.loader import _get
 
