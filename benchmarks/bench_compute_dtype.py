@@ -68,20 +68,22 @@ def main() -> None:
     ap.add_argument("--heldout-samples", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds before a run is stopped")
     ap.add_argument("--skip-large", action="store_true", help="leave out the 0.7B model")
+    ap.add_argument("--methods", default="rtn,gptq,awq", help="methods run on SmolLM2")
+    ap.add_argument("--large-methods", default="rtn,gptq", help="methods run on the 0.7B model")
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "compute_dtype")
     args = ap.parse_args()
     env = AVX2_ENV if args.isa == "avx2" else {}
     model, tok = prepare_run(None, args.work)
     eval_files = heldout_sets(tok, args.work, args.heldout_samples, 512)
     quantkit = str(ROOT / ".venv" / "bin" / "quantkit")
-    jobs = [("SmolLM2", model, "rtn", []),
-            ("SmolLM2", model, "gptq", ["--num-samples", str(args.calib_samples)]),
-            ("SmolLM2", model, "awq", ["--num-samples", str(args.calib_samples)])]
+    calib = {"rtn": [], "gptq": ["--num-samples", str(args.calib_samples)], "awq": ["--num-samples", str(args.calib_samples)]}
+    jobs = [("SmolLM2", model, m, calib[m]) for m in args.methods.split(",") if m]
     if not args.skip_large:
         from bench_memory_scaling import build_model
 
         large = build_model(ROOT / "benchmarks" / ".work" / "memory" / "llama-0.7b-fp32")
-        jobs += [("0.7B fp32", large, "rtn", []), ("0.7B fp32", large, "gptq", ["--num-samples", "8"])]
+        jobs += [("0.7B fp32", large, m, ["--num-samples", "8"] if m != "rtn" else [])
+                 for m in args.large_methods.split(",") if m]
     # Measure the chooser's probe once outside the timed runs, as a user's second run would find it cached.
     subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import torch; "
                     "from quantkit.compute import choose_compute_dtype; "

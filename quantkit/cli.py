@@ -302,6 +302,9 @@ def eval_cmd(
     kernels: str = typer.Option("auto", "--kernels", help="auto (the fastest kernel for each format and device) or reference (the exact torch reference everywhere)."),
     batch_size: int = typer.Option(4, "--batch-size", help="Blocks per forward pass."),
     seed: int = typer.Option(42, "--seed", help="Sampling seed of the token blocks."),
+    moe: bool = typer.Option(False, "--moe", help="MoE routing analysis: load per expert, routing drift against the baseline, capacity-aware inference, bias balancing, expert offloading."),
+    moe_samples: int = typer.Option(8, "--moe-samples", help="Token blocks (the first of the eval set) for the --moe drift, capacity, bias and offload runs."),
+    offload_cache: Optional[list[int]] = typer.Option(None, "--offload-cache", help="With --moe: experts per layer kept resident in the offload runs (repeatable; k..E). Default: E/2."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Evaluate checkpoints against a baseline: perplexity, KL divergence, top-1, delta-p, tasks, throughput, gates."""
@@ -315,11 +318,17 @@ def eval_cmd(
             checkpoints=list(checkpoints), baseline=baseline, dataset=dataset, num_samples=num_samples,
             seq_len=seq_len, seed=seed, text_column=text_column, tasks=list(tasks or []), lm_eval_tasks=lm_eval,
             throughput=throughput, device=device, dtype=dtype, batch_size=batch_size, max_kl=max_kl,
-            max_ppl_increase=max_ppl_increase, min_top1=min_top1, kernels=kernels,
+            max_ppl_increase=max_ppl_increase, min_top1=min_top1, kernels=kernels, moe=moe,
             speculative=SpecOptions(draft=speculative, draft_tokens=draft_tokens, tree=tree, prompts=prompts,
                                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                     grid=speculative_grid, save_outputs=save_outputs),
         )
+        if offload_cache and not moe:
+            raise QuantkitError("--offload-cache needs --moe")
+        if moe:
+            from quantkit.eval.moe import MoEEvalOptions
+
+            opts.moe_options = MoEEvalOptions(samples=moe_samples, offload_cache=tuple(offload_cache or ()))
         run = run_eval(opts)
         if report is not None:
             files = write_report(report, run.report, run.token_kl)

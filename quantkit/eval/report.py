@@ -74,12 +74,80 @@ def render_markdown(report: dict) -> str:
         depth = max(len(m["per_position_acceptance"]) for _, m in spec)
         out += _table(["target", "draft", *[f"pos {d + 1}" for d in range(depth)]],
                       [[t, m["draft"], *(m["per_position_acceptance"] + [None] * depth)[:depth]] for t, m in spec])
+    out += _moe_markdown(report)
     if report["gates"]:
         out += ["## Gates", ""]
         out += _table(["checkpoint", "gate", "metric", "threshold", "value", "passed"],
                       [[g["checkpoint"], g["gate"], g["metric"], g["threshold"], g["value"], g["passed"]]
                        for g in report["gates"]])
     return "\n".join(out)
+
+
+def _moe_markdown(report: dict) -> list[str]:
+    rows = [(r["checkpoint"], r["moe"]) for r in report["results"] if "moe" in r]
+    if not rows:
+        return []
+    out = ["## MoE routing", ""]
+    out += _table(["checkpoint", "experts", "top-k", "routing_topk_overlap", "max_over_mean_load",
+                   "bias: max/mean without", "with", "bias: KL without", "with"],
+                  [[name, m["num_experts"], m["top_k"], m["routing_topk_overlap"], m["max_over_mean_load"],
+                    m["bias_balancing"]["max_over_mean_load"]["without"], m["bias_balancing"]["max_over_mean_load"]["with"],
+                    m["bias_balancing"]["kl"]["without"], m["bias_balancing"]["kl"]["with"]] for name, m in rows])
+    out += ["### Per layer", ""]
+    out += _table(["checkpoint", "layer", "max_over_mean_load", "load_entropy", "load_entropy_max", "score_entropy",
+                   "topk_overlap"],
+                  [[name, r["layer"], r["max_over_mean_load"], r["load_entropy"], r["load_entropy_max"],
+                    r["score_entropy"], m["drift_per_layer"].get(str(r["layer"]))]
+                   for name, m in rows for r in m["layers"]])
+    out += ["### Capacity-aware inference (C = ceil(gamma T k / E) per call)", ""]
+    out += _table(["checkpoint", "gamma", "policy", "capacity", "max load before", "after", "reduction",
+                   "dropped", "rerouted", "KL", "KL change"],
+                  [[name, c["gamma"], c["policy"], c["capacity"], c["max_load_before"], c["max_load_after"],
+                    c["max_load_reduction"], c["dropped_frac"], c["rerouted_frac"], c["kl"], c["kl_change"]]
+                   for name, m in rows for c in m["capacity"]])
+    if any(m["offload"] for _, m in rows):
+        out += ["### Expert offloading", ""]
+        cols = ("policy", "cache", "hit_rate", "prefetch_fidelity", "bytes_moved", "decode_tok_s")
+        out += _table(["checkpoint", *cols], [[name, *(o.get(c) for c in cols)] for name, m in rows for o in m["offload"]])
+    return out
+
+
+def _moe_plots(folder: Path, report: dict, plt) -> list[str]:
+    import numpy as np
+
+    written = []
+    for i, r in enumerate(report["results"]):
+        m = r.get("moe")
+        if not m:
+            continue
+        load = np.array([row["load"] for row in m["layers"]]) * m["num_experts"]  # 1 = balanced
+        fig, ax = plt.subplots(figsize=(min(12, 2 + 0.25 * load.shape[1]), min(10, 1.5 + 0.25 * load.shape[0])))
+        im = ax.imshow(load, aspect="auto", cmap="viridis")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("MoE layer (index in the model)")
+        ax.set_yticks(range(load.shape[0]), [row["layer"] for row in m["layers"]], fontsize=6)
+        ax.set_title(f"load per expert / mean: {Path(r['checkpoint']).name}")
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        name = f"moe_load_{i}.png"
+        fig.savefig(folder / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+        if m["offload"]:
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for policy in sorted({o["policy"] for o in m["offload"]}):
+                pts = sorted((o["cache"], o["hit_rate"]) for o in m["offload"] if o["policy"] == policy)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+            ax.set_xlabel("experts cached per layer")
+            ax.set_ylabel("hit rate")
+            ax.legend(fontsize=8)
+            ax.set_title(f"offload hit rate: {Path(r['checkpoint']).name}")
+            fig.tight_layout()
+            name = f"moe_offload_{i}.png"
+            fig.savefig(folder / name, dpi=110)
+            plt.close(fig)
+            written.append(name)
+    return written
 
 
 def write_plots(folder: Path, report: dict, token_kl: dict) -> list[str]:
@@ -144,6 +212,7 @@ def write_plots(folder: Path, report: dict, token_kl: dict) -> list[str]:
         fig.savefig(folder / "speculative_acceptance.png", dpi=110)
         written.append("speculative_acceptance.png")
         plt.close(fig)
+    written += _moe_plots(folder, report, plt)
     return written
 
 
@@ -182,6 +251,17 @@ def print_table(console, report: dict) -> None:
         console.print(f"{target} <- {m['draft']} ({m['tree']}, T={m['temperature']}): acceptance {m['acceptance_rate']}, "
                       f"mean accepted length {m['mean_accepted_length']}, {m['tokens_per_s']} tok/s vs plain "
                       f"{m['plain_tokens_per_s']} (speed-up {m['speedup']}x), identical to plain: {m['identical_to_plain']}")
+    for r in report["results"]:
+        m = r.get("moe")
+        if m:
+            d = {c["policy"]: c for c in m["capacity"] if c["gamma"] == 1.25}
+            console.print(f"{r['checkpoint']}: MoE {m['num_experts']} experts top-{m['top_k']}: routing top-k overlap "
+                          f"{m['routing_topk_overlap']}, max/mean load {m['max_over_mean_load']}"
+                          + (f", capacity 1.25 drop: max load -{100 * d['drop']['max_load_reduction']:.1f}% "
+                             f"(KL {d['drop']['kl_change']:+.4g})" if "drop" in d else ""), highlight=False, soft_wrap=True)
+            for o in m["offload"]:
+                console.print(f"  offload {o['policy']} cache {o['cache']}: hit rate {o['hit_rate']}, "
+                              f"{o['decode_tok_s']} tok/s", highlight=False)
     for g in report["gates"]:
         mark = "[green]pass[/]" if g["passed"] else "[bold red]FAIL[/]"
         console.print(f"gate {g['gate']} on {g['checkpoint']}: {g['metric']} = {g['value']} (threshold {g['threshold']}) {mark}")

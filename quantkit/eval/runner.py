@@ -43,6 +43,8 @@ class EvalOptions:
     cache_dir: Path | None = None
     speculative: SpecOptions = field(default_factory=SpecOptions)
     kernels: str = "auto"  # auto | reference (runtime/dispatch.py)
+    moe: bool = False  # routing analysis (quantkit/eval/moe.py)
+    moe_options: object | None = None  # MoEEvalOptions; None = the defaults
 
 
 @dataclass
@@ -188,6 +190,15 @@ def run_eval(opts: EvalOptions) -> EvalRun:
         spec_eval.validate(spec)
         if spec.grid and len(checkpoints) < 2:
             raise InputError("--speculative-grid needs at least two checkpoints (each drafts for every other)")
+    moe_opts = None
+    if opts.moe:
+        from quantkit.eval.moe import MoEEvalOptions, check_moe_checkpoints, moe_spec_of
+
+        check_moe_checkpoints(checkpoints)  # a dense checkpoint is refused before any model work
+        moe_opts = opts.moe_options or MoEEvalOptions()
+        for ckpt in checkpoints:
+            mspec = moe_spec_of(ckpt)
+            moe_opts.check(mspec.num_experts, mspec.top_k)
     base_src = resolve_model(opts.baseline if opts.baseline else default_baseline(checkpoints[0]))
     base_path = check_model_folder(base_src.path, "baseline")
     base_tok = _tokenizer(base_path)
@@ -242,6 +253,13 @@ def run_eval(opts: EvalOptions) -> EvalRun:
                 raise InputError(f"{ckpt} produces {rt.vocab_size} logits per token, the baseline {cache.read(0).shape[-1]}")
             task = progress.add_task("evaluate", total=n_blocks, info=ckpt.name)
             parts: dict[str, list] = {k: [] for k in TOKEN_FIELDS}
+            recorder = None
+            if moe_opts is not None:
+                from quantkit.eval.moe import RoutingRecorder
+                from quantkit.runtime.moe import moe_blocks
+
+                recorder = RoutingRecorder(moe_blocks(rt.model)[0].spec.num_experts)
+                handles = [b.add_router_observer(recorder) for b in moe_blocks(rt.model)]
             for s, batch in _batches(ids, opts.batch_size):
                 logits = _logits(rt, batch)
                 for j in range(batch.shape[0]):
@@ -257,6 +275,13 @@ def run_eval(opts: EvalOptions) -> EvalRun:
             if prompts is not None and not spec.grid:
                 outputs.extend(_speculative_row(row, rt, str(ckpt), base_tok, prompts, spec, compute.dtype, device,
                                                 progress))
+            if recorder is not None:
+                from quantkit.eval.moe import analyze_moe
+
+                for h in handles:
+                    h.remove()
+                row["moe"] = analyze_moe(rt, recorder, stats["kl"], ids, lambda i: cache.read(i), base_path,
+                                         moe_opts, opts.batch_size, compute.dtype, device)
             results.append(row)
             token_kl[str(ckpt)] = stats["kl"].float()
             del rt

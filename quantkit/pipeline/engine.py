@@ -225,8 +225,10 @@ def process_layer(
     calls: list[list[tuple]],
     n_batches: int,
     on_batch=None,
+    on_routing=None,
 ) -> float:
     """Calibrate, quantise and propagate one layer. Returns the layer's relative output error.
+    `on_routing(selected [T, k])` sees the quantised pass's routing of each batch (MoE layers), once per token.
 
     The first pass gives the reference outputs and the statistics of the first stage of methods. A
     calibrating transform (SmoothQuant) changes what later methods see, so the methods after it (GPTQ's
@@ -260,6 +262,9 @@ def process_layer(
     # calibrates on what deployment computes.
     hooks = [_simulate_activations(ctx, n, input_scales.get(n)) for n in ctx.targets
              if ctx.scheme_for(n).input_activations is not None]
+    if on_routing is not None:
+        hooks += [m.register_forward_pre_hook(lambda mod, args: on_routing(args[1]))
+                  for m in layer.modules() if isinstance(m, UnfusedExperts)]
     num = den = 0.0
     with torch.no_grad():
         for j in range(n_batches):
@@ -277,6 +282,32 @@ def process_layer(
         h.remove()
     ctx.input_scales = input_scales
     return math.sqrt(num / den) if den > 0 else 0.0
+
+
+def _routing_counter(layer: nn.Module, handle: ModelHandle):
+    """A routing-profile counter for a sparse-MoE layer (None for dense layers and dense models)."""
+    from quantkit.models.moe import router_spec
+    from quantkit.models.routing_profile import LayerCounts
+
+    experts = [m for m in layer.modules() if isinstance(m, UnfusedExperts)]
+    if not experts or router_spec(handle.adapter, handle.config) is None:
+        return None
+    return LayerCounts(experts[0].num_experts)
+
+
+def write_routing_profile(handle: ModelHandle, journal: Journal, calib, folder: Path) -> bool:
+    """routing_profile.json from the counts of the quantised calibration pass (MoE models only)."""
+    from quantkit.models.moe import router_spec
+    from quantkit.models.routing_profile import RoutingProfile
+
+    spec = router_spec(handle.adapter, handle.config)
+    if spec is None or not journal.routing:
+        return False
+    d = calib.describe()
+    RoutingProfile.from_dict({"num_experts": spec.num_experts, "top_k": spec.top_k, "layers": journal.routing,
+                              "source": f"quantised calibration pass: {d.get('source')} "
+                                        f"{d.get('num_samples')} x {d.get('seq_len')}"}).write(folder)
+    return True
 
 
 def method_stages(methods: list[Method]) -> list[list[Method]]:
@@ -459,6 +490,8 @@ def quantize_model(
 
     recipe_used, overrides = write_config_and_extras(handle, plans, scheme, recipe, partial, output,
                                                      actorder=_actorder(methods))
+    # Before the manifest, so the profile is hashed with the rest of the checkpoint.
+    wrote_profile = write_routing_profile(handle, journal, calib, partial)
     shutil.rmtree(state_dir, ignore_errors=True)
     Journal.path(partial).unlink(missing_ok=True)
 
@@ -483,6 +516,8 @@ def quantize_model(
         "scheme_overrides": overrides,
         "tp_warnings": shard_warnings,
     }
+    if wrote_profile:
+        summary["routing_profile"] = "routing_profile.json"
     return finish_output(partial, output, recipe_used, summary, handle)
 
 
@@ -605,9 +640,14 @@ def _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journ
         )
         nxt = ActivationStore(spill / ("b" if current.folder.name == "a" else "a") if spill else None)
         progress.reset(batch_task, total=2 * n_batches, info=f"layer {i}")
+        counts = _routing_counter(layer, handle)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             rel = process_layer(layer, ctx, methods, current, nxt, calls, n_batches,
-                                on_batch=lambda: progress.advance(batch_task))
+                                on_batch=lambda: progress.advance(batch_task),
+                                on_routing=counts.add if counts is not None else None)
+        if counts is not None and counts.tokens:
+            journal.routing[str(i)] = {"tokens": counts.tokens, "counts": counts.counts.tolist(),
+                                       "coactivation": counts.coactivation.tolist()}
         for t in plan.targets:
             for name, tensor in pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, weight_dtype,
                                                ctx.input_scales.get(t.local)).items():

@@ -16,6 +16,7 @@ class Journal:
     layer_records: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     compute: dict | None = None  # the compute dtype choice: a resumed run keeps it, whatever this machine prefers
+    routing: dict = field(default_factory=dict)  # MoE layer -> expert counts of the quantised calibration pass
 
     @staticmethod
     def path(folder: Path) -> Path:

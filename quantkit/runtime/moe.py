@@ -17,6 +17,7 @@ Hooks (per block, or over a whole model with the context managers):
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ class Routing:
     scores: torch.Tensor  # [T, E] fp32 softmax/sigmoid scores (before any selection bias)
     selected: torch.Tensor  # [T, k] expert indices (int64)
     weights: torch.Tensor  # [T, k] combine weights
+    # The rule that made it and the selection scores it ranked (scores + selection bias, groups masked to
+    # -inf): routing tools (another k, capacity, bias balancing) re-select by the same rule.
+    spec: RouterSpec | None = None
+    choice: torch.Tensor | None = None
 
 
 RouterObserver = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -67,18 +72,32 @@ def route(spec: RouterSpec, logits: torch.Tensor, bias: torch.Tensor | None = No
         # Mistral's reference order: top-k on the logits, softmax over the k (normalised by construction).
         top_logits, selected = logits.float().topk(spec.top_k, dim=-1)
         weights = top_logits.softmax(dim=-1)
+        if spec.routed_scaling_factor != 1.0:
+            weights = weights * spec.routed_scaling_factor
+        if spec.weights_in_model_dtype and weights_dtype is not None:
+            weights = weights.to(weights_dtype)
     else:
         selected = choice.topk(spec.top_k, dim=-1).indices
-        # The selection bias only picks experts; the weights are the unbiased scores.
-        weights = scores.gather(1, selected)
-        if spec.normalize_topk:
-            # The epsilon only guards a row of all-zero sigmoid scores; it is below fp32 resolution otherwise.
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = combine_weights(spec, scores, selected, weights_dtype)
+    return Routing(logits, scores, selected, weights, spec, choice)
+
+
+def combine_weights(spec: RouterSpec, scores: torch.Tensor, selected: torch.Tensor,
+                    weights_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The family's combine weights of experts `selected` [T, k'] from the unbiased scores [T, E], for any k'
+    (routing tools that pick other experts or another k reuse the family's rule). Dropped slots (index
+    outside [0, E)) get weight 0 and take no part in the normalisation."""
+    valid = (selected >= 0) & (selected < spec.num_experts)
+    # The selection bias only picks experts; the weights are the unbiased scores.
+    weights = scores.gather(1, selected.clamp(0, spec.num_experts - 1)) * valid
+    if spec.normalize_topk:
+        # The epsilon only guards a row of all-zero sigmoid scores; it is below fp32 resolution otherwise.
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if spec.routed_scaling_factor != 1.0:
         weights = weights * spec.routed_scaling_factor
     if spec.weights_in_model_dtype and weights_dtype is not None:
         weights = weights.to(weights_dtype)
-    return Routing(logits, scores, selected, weights)
+    return weights
 
 
 class RuntimeMoE(nn.Module):
@@ -234,3 +253,36 @@ def override_routing(model, fn: SelectionOverride) -> Iterator[list[RuntimeMoE]]
     finally:
         for h in handles:
             h.remove()
+
+
+
+def with_selection(routing: Routing, selected: torch.Tensor, hidden: torch.Tensor) -> Routing:
+    """`routing` with other experts selected [T, k'] (indices outside [0, E) drop a slot), weighted by the
+    family's combine rule."""
+    weights = combine_weights(routing.spec, routing.scores, selected, hidden.dtype)
+    return dataclasses.replace(routing, selected=selected, weights=weights)
+
+
+def topk_routing(k: int) -> SelectionOverride:
+    """An override that routes every token to its k best experts by the block's own rule (another top-k)."""
+
+    def override(layer: int, routing: Routing, hidden: torch.Tensor) -> Routing:
+        choice = routing.scores if routing.choice is None else routing.choice
+        return with_selection(routing, choice.topk(k, dim=-1).indices, hidden)
+
+    return override
+
+
+def random_routing(k: int, seed: int = 0) -> SelectionOverride:
+    """An override that sends every token to k distinct experts drawn uniformly (seeded per layer and call),
+    weighted by the family's combine rule: the control that a router must beat."""
+    calls: dict[int, int] = {}
+
+    def override(layer: int, routing: Routing, hidden: torch.Tensor) -> Routing:
+        calls[layer] = calls.get(layer, 0) + 1
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + layer * 7919 + calls[layer])
+        t, e = routing.scores.shape
+        selected = torch.rand(t, e, generator=gen).argsort(dim=1)[:, :k].to(routing.selected.device)
+        return with_selection(routing, selected, hidden)
+
+    return override
