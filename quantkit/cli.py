@@ -26,8 +26,27 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def _version_callback(value: bool) -> None:
+    if value:
+        import quantkit
+
+        console.print(f"quantkit {quantkit.__version__}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Compress LLMs: layer-streaming quantisation to compressed-tensors, MLA conversion, evaluation."""
+
+
 def _fail(message: str, code: int) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # Messages carry user text and pip extras ('quantkit[eval]'): never let rich read them as markup.
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -101,6 +120,7 @@ def quantize(
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size you will serve with: warn about linears vLLM could not split."),
     alpha: Optional[float] = typer.Option(None, "--alpha", help="SmoothQuant migration strength in [0, 1] (default 0.8)."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the checkpoint (off by default)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (peak memory, disk, estimated wall time from timing layer 0) and exit; same as `quantkit plan`."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -128,6 +148,17 @@ def quantize(
         out = output or (Path(rec.output) if rec.output else None)
         if out is None:
             raise QuantkitError("--output is required (or an `output:` field in the recipe)")
+        if dry_run:
+            from quantkit.pipeline.plan import PlanOptions, plan_run
+
+            report = plan_run(PlanOptions(rec, out, offload_dir=offload_dir, device=device,
+                                          compute_dtype=_compute_choice(compute_dtype), tp=tp, overwrite=overwrite,
+                                          resume=resume))
+            if as_json:
+                _print_json(report)
+            else:
+                _print_plan(report)
+            return
         summary = quantize_model(rec, out, resume=resume, overwrite=overwrite, offload_dir=offload_dir, device=device,
                                  tp=tp, compute_dtype=_compute_choice(compute_dtype))
         if as_json:
@@ -156,6 +187,53 @@ def quantize(
                               + (" ..." if len(shards) > 4 else "") + " (all listed in the manifest)")
 
     _guarded(debug, body)
+
+
+def _plan_command(**kwargs) -> None:
+    """Before a long run: peak memory, disk for the output, and the wall time estimated from timing layer 0 on a
+    few samples; exit 2 when the disk cannot hold the output. Takes every `quantize` option."""
+    quantize(**kwargs, dry_run=True)
+
+
+def _as_plan_signature(fn) -> None:
+    # `plan` takes exactly quantize's options (one definition, so the two can never drift apart).
+    import inspect as pyinspect
+    from typing import get_type_hints
+
+    sig = pyinspect.signature(quantize, eval_str=True)
+    fn.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "dry_run"])
+    fn.__annotations__ = {k: v for k, v in get_type_hints(quantize).items() if k != "dry_run"}
+
+
+_as_plan_signature(_plan_command)
+app.command("plan")(_plan_command)
+
+
+def _print_plan(report: dict) -> None:
+    from quantkit.pipeline.plan import fmt_bytes
+
+    b = report["breakdown"]
+    table = Table(title=f"plan: {report['model']} -> {report['output']} ({report['scheme']} via {report['method']})")
+    table.add_column("")
+    table.add_column("estimate", justify="right")
+    table.add_column("from", justify="left")
+    table.add_row("peak memory (RSS)", fmt_bytes(report["peak_rss_bytes"]),
+                  f"layer 0 on {report['trial']['samples']} samples, activations scaled to {report['samples']}")
+    table.add_row("output on disk", fmt_bytes(report["output_bytes"]), "planned tensors + config/tokenizer/recipe (exact)")
+    if report["resume_state_bytes"]:
+        table.add_row("resume state", fmt_bytes(report["resume_state_bytes"]), "one generation of activations")
+    if report["spill_bytes"]:
+        table.add_row("spilled activations", fmt_bytes(report["spill_bytes"]), "two generations under --offload-dir")
+    for where, d in report["disk"].items():
+        table.add_row(f"disk at {where}", f"{fmt_bytes(d['needed_bytes'])} of {fmt_bytes(d['free_bytes'])} free", "")
+    table.add_row("wall time", f"{report['wall_seconds']:.0f} s",
+                  f"setup {b['setup_seconds']:.1f} + capture {b['capture_seconds']:.1f} + {report['layers']} layers "
+                  f"{b['layers_seconds']:.1f} + hashing {b['finish_seconds']:.1f}")
+    console.print(table)
+    console.print(f"per layer: {b['per_layer_fixed_seconds']:.3f} s fixed + {b['per_sample_forward_seconds']:.4f} s "
+                  f"per sample x {report['samples']} samples; compute {report['compute_dtype']}", highlight=False)
+    for w in report.get("tp_warnings") or []:
+        console.print(f"[yellow]warning:[/] tp={w['tp']}: {w['module']} ({w['problem']})", highlight=False)
 
 
 @app.command()
@@ -238,6 +316,10 @@ def convert_mla(
 
         if output is None:
             raise QuantkitError("--output is required")
+        if sweep:
+            from quantkit.optional import require
+
+            require("matplotlib", "convert-mla --sweep")  # its plot; checked before hours of conversion
         ranks = [parse_rank(r) for r in sweep.split(",") if r.strip()] if sweep else [parse_rank(kv_lora_rank)]
         if refine_steps < 0:
             raise QuantkitError(f"--refine-steps must be 0 or more; got {refine_steps}")
@@ -300,6 +382,13 @@ def eval_cmd(
     def body():
         from quantkit.eval.report import print_table, write_report
         from quantkit.eval.runner import EvalOptions, run_eval
+        from quantkit.optional import require
+
+        # Optional packages are checked before any model work, so a missing one costs a second, not a run.
+        if report is not None:
+            require("matplotlib", "eval --report")
+        if lm_eval:
+            require("lm_eval", "eval --lm-eval")
 
         opts = EvalOptions(
             checkpoints=list(checkpoints), baseline=baseline, dataset=dataset, num_samples=num_samples,

@@ -14,7 +14,7 @@ import torch
 from quantkit.errors import InputError, QuantkitError
 from quantkit.eval.baseline import BaselineCache
 from quantkit.eval.metrics import TOKEN_FIELDS, nll_only, perplexity, summarize, token_stats
-from quantkit.formats.manifest import MANIFEST, package_versions, quantized_weight_stats, verify_manifest
+from quantkit.formats.manifest import MANIFEST, package_versions, quantized_weight_stats, read_manifest, verify_manifest
 from quantkit.compute import ComputeChoice, choose_compute_dtype, matmul_shapes
 from quantkit.progress import announce, progress_bar
 from quantkit.runtime.model import RuntimeModel, check_model_folder, load_model, read_config, resolve_dtype
@@ -70,10 +70,7 @@ def default_baseline(checkpoint: Path) -> str | None:
     """The model a quantkit checkpoint was made from (its manifest), else None (the embedded default)."""
     manifest = checkpoint / MANIFEST
     if manifest.is_file():
-        try:
-            src = json.loads(manifest.read_text()).get("source", {}).get("path")
-        except json.JSONDecodeError:
-            return None
+        src = read_manifest(checkpoint).get("source", {}).get("path")
         if src and Path(src).is_dir():
             return src
     return None
