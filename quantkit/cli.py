@@ -416,6 +416,60 @@ def eval_cmd(
     _guarded(debug, body)
 
 
+@app.command("check-serving")
+def check_serving_cmd(
+    checkpoint: Path = typer.Argument(..., help="A checkpoint folder (compressed-tensors or plain HF)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size vLLM will serve with."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size."),
+    gpu: str = typer.Option("sm_90", "--gpu", help="Target compute capability: sm_80, sm_86, sm_89, sm_90, ... or cpu (vLLM's CPU build)."),
+    vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="vLLM version to check format features against (default: the version the kernel facts were read from)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Activation dtype vLLM serves in (bfloat16, float16; default: the checkpoint's)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Will vLLM load this checkpoint (tp/pp split, GPU kernels, version features)? Exit 0 yes, 3 no."""
+
+    def body():
+        from quantkit.serving.check import ServingTarget, check_serving
+
+        report = check_serving(checkpoint, ServingTarget(tp, pp, gpu, vllm_version, dtype))
+        if as_json:
+            _print_json(report)
+        else:
+            _print_serving(report)
+        if not report["compatible"]:
+            raise typer.Exit(3)
+
+    _guarded(debug, body)
+
+
+def _print_serving(report: dict) -> None:
+    t = report["target"]
+    where = "vLLM CPU build" if t["platform"] == "cpu" else f"sm_{t['compute_capability']}"
+    verdict = "[green]will load[/]" if report["compatible"] else "[bold red]will NOT load[/]"
+    console.print(f"[bold]{report['checkpoint']}[/] on {where}, tp={t['tp']} pp={t['pp']}, vLLM {t['vllm_version']}, "
+                  f"{t['dtype']}: {verdict} ({report['linears_checked']} linears checked)")
+    if report["kernels"]:
+        table = Table(title="kernels vLLM will pick")
+        for col in ("kernel", "linears", "N per rank", "K per rank"):
+            table.add_column(col, justify="right" if col != "kernel" else "left")
+        for row in report["kernels"]:
+            table.add_row(row["kernel"], str(row["linears"]), str(row["n_part"]), str(row["k_part"]))
+        console.print(table)
+    if report["problems"]:
+        table = Table(title=f"{len(report['problems'])} problem(s)")
+        table.add_column("tensor")
+        table.add_column("reason")
+        for p in report["problems"][:40]:
+            table.add_row(p["tensor"], p["reason"])
+        console.print(table)
+        if len(report["problems"]) > 40:
+            console.print(f"... and {len(report['problems']) - 40} more (--json lists all)")
+    for w in report["warnings"]:
+        console.print(f"[yellow]warning:[/] {w['tensor']}: {w['reason']}", highlight=False)
+    console.print(f"[dim]kernel facts: {report['facts']['source']}[/]", highlight=False)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 
