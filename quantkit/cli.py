@@ -470,6 +470,61 @@ def _print_serving(report: dict) -> None:
     console.print(f"[dim]kernel facts: {report['facts']['source']}[/]", highlight=False)
 
 
+@app.command()
+def release(
+    recipe: Path = typer.Argument(..., help="Release recipe YAML (base model, variants, calibration, evaluation, gates); a built-in name works too."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Release folder (default: the recipe's `output`, else release-NAME)."),
+    verify_determinism: bool = typer.Option(False, "--verify-determinism", help="Build one variant twice and compare every tensor file's sha256."),
+    force: bool = typer.Option(False, "--force", help="Rebuild variants even when their manifest says they are up to date."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    compute_dtype: str = typer.Option("auto", "--compute-dtype", help="Calibration matmul dtype: auto, bfloat16 or float32."),
+    as_json: bool = typer.Option(False, "--json", help="Print release.json on stdout."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Quantise every variant of a release recipe, evaluate them against the base in one pass, apply the gates,
+    write a model card into each checkpoint and release.md/release.json. Exit 3 when a gate fails."""
+
+    def body():
+        from quantkit.release import ReleaseOptions, failed_gates, run_release
+
+        summary = run_release(ReleaseOptions(recipe, output, verify_determinism, device,
+                                             _compute_choice(compute_dtype), force))
+        if as_json:
+            _print_json(summary)
+        else:
+            _print_release(summary)
+        failures = failed_gates(summary)
+        for line in failures:
+            err_console.print(f"[bold red]gate failed:[/] {escape_markup(line)}", highlight=False, soft_wrap=True)
+        if failures:
+            raise typer.Exit(3)
+
+    _guarded(debug, body)
+
+
+def escape_markup(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _print_release(summary: dict) -> None:
+    table = Table(title=f"release {summary['name']} -> {summary['output']} (base ppl {summary['base']['ppl']})")
+    for col in ("variant", "scheme", "method", "KL mean", "ppl", "size MB", "built", "gates", "passed"):
+        table.add_column(col, justify="left" if col in ("variant", "scheme", "method", "gates") else "right")
+    for v in summary["variants"]:
+        gates = ", ".join(f"{g['gate']} {'ok' if g['passed'] else 'FAIL'}" for g in v["gates"]) or "-"
+        table.add_row(v["name"], v["scheme"], v["method"], str(v["kl_mean"]), str(v["ppl"]),
+                      f"{v['size_bytes'] / 1e6:.1f}", "yes" if v["built"] else "kept", gates,
+                      "[green]yes[/]" if v["passed"] else "[red]no[/]")
+    console.print(table)
+    d = summary.get("determinism")
+    if d:
+        console.print(f"determinism ({d['variant']} built twice): "
+                      + ("[green]identical tensor files[/]" if d["identical"] else f"[red]differ: {d['mismatched']}[/]"))
+    console.print(f"wrote {summary['output']}/release.md, release.json and a README.md model card in each variant")
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 
