@@ -28,7 +28,8 @@ import torch
 from quantkit.errors import InputError
 from quantkit.recipe import Recipe
 
-MANIFEST_SLACK = 1 << 20  # the manifest (sha256 per file, per-layer records) is written last; a MB covers it
+MANIFEST_SLACK = 1 << 20
+STREAM_THREADS = 2  # stream_quantize's default worker count  # the manifest (sha256 per file, per-layer records) is written last; a MB covers it
 
 
 @dataclass
@@ -43,6 +44,13 @@ class PlanOptions:
     resume: bool = False
     max_shard_bytes: int | None = None
     trial_samples: int | None = None  # default: one calibration batch
+    startup_peak: int = 0  # peak RSS of the process before planning started (set by plan_run)
+
+
+def _with_startup_peak(opts: PlanOptions, peak: int) -> PlanOptions:
+    from dataclasses import replace
+
+    return replace(opts, startup_peak=max(opts.startup_peak, peak))
 
 
 def fmt_bytes(n: float) -> str:
@@ -147,9 +155,8 @@ def _sha256_rate() -> float:
     return len(block) / max(time.perf_counter() - began, 1e-6)
 
 
-def _layer_bytes(handle) -> list[int]:
-    return [sum(handle.index.tensors[n].nbytes for n in handle.layer_checkpoint_names(i))
-            for i in range(handle.num_layers)]
+def _layer_bytes(handle, n_layers: int) -> list[int]:
+    return [sum(handle.index.tensors[n].nbytes for n in handle.layer_checkpoint_names(i)) for i in range(n_layers)]
 
 
 def _extras_bytes(handle, plans, scheme, recipe, output, actorder) -> int:
@@ -235,6 +242,11 @@ def plan_run(opts: PlanOptions) -> dict:
 
     return_large_frees_to_os()  # the run's allocator behaviour, so the trial's memory is the run's
     t0 = time.perf_counter()
+    # What this process has peaked at so far (imports, argument parsing): the run pays it too, and the
+    # high-water-mark resets below would hide it.
+    import resource
+
+    opts = _with_startup_peak(opts, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     recipe, output = opts.recipe, Path(opts.output)
     q = recipe.quantization
     scheme = get_scheme(q.scheme, q.group_size)
@@ -266,7 +278,7 @@ def plan_run(opts: PlanOptions) -> dict:
 
     trial = _trial_layer0(setup, device, compute, opts.trial_samples)
     n, n_layers = setup.n_samples, len(setup.plans)
-    sizes = _layer_bytes(setup.handle)
+    sizes = _layer_bytes(setup.handle, n_layers)
     ratios = [b / sizes[0] if sizes[0] else 1.0 for b in sizes]
     per_sample_forward = trial.forward_seconds / trial.samples
     fixed = trial.materialize_seconds + trial.apply_seconds + trial.pack_seconds
@@ -283,7 +295,7 @@ def plan_run(opts: PlanOptions) -> dict:
     bigger_layer = (max(sizes) - sizes[0]) * compute_size / disk_size
     resident_generations = 0 if spill else 2
     layer_peak = trial.rss_peak + bigger_layer + resident_generations * (full_acts - trial_acts)
-    peak = max(setup_peak, layer_peak)
+    peak = max(opts.startup_peak, setup_peak, layer_peak)
     return {
         "output": str(output),
         "model": setup.resolved.label,
@@ -347,10 +359,14 @@ def _plan_stream(opts: PlanOptions, scheme, t0: float) -> dict:
     disk = check_disk_space(output, output_bytes, resume=False)
     hwm = HighWaterMark()
     began = time.perf_counter()
-    for target in setup.plans[0].targets:
-        _quantize_one(setup.handle, target, setup.weight_dtype)
+    # As the run does it: the same worker threads (each thread's allocator arenas are part of the run's memory).
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=STREAM_THREADS) as pool:
+        for fut in [pool.submit(_quantize_one, setup.handle, t, setup.weight_dtype) for t in setup.plans[0].targets]:
+            fut.result()
     first = time.perf_counter() - began
-    sizes = _layer_bytes(setup.handle)
+    sizes = _layer_bytes(setup.handle, len(setup.plans))
     layer_seconds = sum(first * b / sizes[0] for b in sizes) if sizes[0] else first * len(sizes)
     source_bytes = setup.handle.index.total_bytes()
     # Two worker threads quantise while the main one writes: the measured single-thread time is an upper bound
@@ -361,7 +377,8 @@ def _plan_stream(opts: PlanOptions, scheme, t0: float) -> dict:
         "output": str(output), "model": setup.resolved.label, "method": "fp8", "scheme": scheme.name,
         "layers": len(setup.plans), "samples": 0, "seq_len": 0, "batch_size": 0, "compute_dtype": "float32",
         "output_bytes": output_bytes, "shard_bytes": shard_bytes, "source_bytes": source_bytes,
-        "resume_state_bytes": 0, "spill_bytes": 0, "disk": disk, "peak_rss_bytes": int(hwm.peak()),
+        "resume_state_bytes": 0, "spill_bytes": 0, "disk": disk,
+        "peak_rss_bytes": int(max(opts.startup_peak, hwm.peak())),
         "wall_seconds": round(wall, 2),
         "breakdown": {"setup_seconds": round(setup_seconds, 3), "capture_seconds": 0.0,
                       "layers_seconds": round(layer_seconds, 3), "finish_seconds": round(finish_seconds, 3),

@@ -64,7 +64,7 @@ def test_short_disk_refuses_plan_and_quantize_before_any_work(tmp_path, tiny_mod
     import shutil
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 999, 999))
     out = tmp_path / "out"
     base = ["--model", str(tiny_models["llama"]), "--group-size", "32", "--dataset", str(text_file),
             "--num-samples", "4", "--seq-len", "32", "--output", str(out)]
@@ -72,5 +72,5 @@ def test_short_disk_refuses_plan_and_quantize_before_any_work(tmp_path, tiny_mod
         result = runner.invoke(app, [*cmd, *base])
         assert result.exit_code == 2, (cmd, result.output)
         err = result.stderr.strip()
-        assert len(err.splitlines()) == 1 and "not enough disk space" in err and "1000 B free" in err, err
+        assert len(err.splitlines()) == 1 and "not enough disk space" in err and "999 B free" in err, err
     assert not list(tmp_path.glob("out*"))
