@@ -26,8 +26,27 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def _version_callback(value: bool) -> None:
+    if value:
+        import quantkit
+
+        console.print(f"quantkit {quantkit.__version__}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Compress LLMs: layer-streaming quantisation to compressed-tensors, MLA conversion, evaluation."""
+
+
 def _fail(message: str, code: int) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # Messages carry user text and pip extras ('quantkit[eval]'): never let rich read them as markup.
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -101,6 +120,7 @@ def quantize(
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size you will serve with: warn about linears vLLM could not split."),
     alpha: Optional[float] = typer.Option(None, "--alpha", help="SmoothQuant migration strength in [0, 1] (default 0.8)."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the checkpoint (off by default)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (peak memory, disk, estimated wall time from timing layer 0) and exit; same as `quantkit plan`."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -128,6 +148,17 @@ def quantize(
         out = output or (Path(rec.output) if rec.output else None)
         if out is None:
             raise QuantkitError("--output is required (or an `output:` field in the recipe)")
+        if dry_run:
+            from quantkit.pipeline.plan import PlanOptions, plan_run
+
+            report = plan_run(PlanOptions(rec, out, offload_dir=offload_dir, device=device,
+                                          compute_dtype=_compute_choice(compute_dtype), tp=tp, overwrite=overwrite,
+                                          resume=resume))
+            if as_json:
+                _print_json(report)
+            else:
+                _print_plan(report)
+            return
         summary = quantize_model(rec, out, resume=resume, overwrite=overwrite, offload_dir=offload_dir, device=device,
                                  tp=tp, compute_dtype=_compute_choice(compute_dtype))
         if as_json:
@@ -156,6 +187,53 @@ def quantize(
                               + (" ..." if len(shards) > 4 else "") + " (all listed in the manifest)")
 
     _guarded(debug, body)
+
+
+def _plan_command(**kwargs) -> None:
+    """Before a long run: peak memory, disk for the output, and the wall time estimated from timing layer 0 on a
+    few samples; exit 2 when the disk cannot hold the output. Takes every `quantize` option."""
+    quantize(**kwargs, dry_run=True)
+
+
+def _as_plan_signature(fn) -> None:
+    # `plan` takes exactly quantize's options (one definition, so the two can never drift apart).
+    import inspect as pyinspect
+    from typing import get_type_hints
+
+    sig = pyinspect.signature(quantize, eval_str=True)
+    fn.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "dry_run"])
+    fn.__annotations__ = {k: v for k, v in get_type_hints(quantize).items() if k != "dry_run"}
+
+
+_as_plan_signature(_plan_command)
+app.command("plan")(_plan_command)
+
+
+def _print_plan(report: dict) -> None:
+    from quantkit.pipeline.plan import fmt_bytes
+
+    b = report["breakdown"]
+    table = Table(title=f"plan: {report['model']} -> {report['output']} ({report['scheme']} via {report['method']})")
+    table.add_column("")
+    table.add_column("estimate", justify="right")
+    table.add_column("from", justify="left")
+    table.add_row("peak memory (RSS)", fmt_bytes(report["peak_rss_bytes"]),
+                  f"layer 0 on {report['trial']['samples']} samples, activations scaled to {report['samples']}")
+    table.add_row("output on disk", fmt_bytes(report["output_bytes"]), "planned tensors + config/tokenizer/recipe (exact)")
+    if report["resume_state_bytes"]:
+        table.add_row("resume state", fmt_bytes(report["resume_state_bytes"]), "one generation of activations")
+    if report["spill_bytes"]:
+        table.add_row("spilled activations", fmt_bytes(report["spill_bytes"]), "two generations under --offload-dir")
+    for where, d in report["disk"].items():
+        table.add_row(f"disk at {where}", f"{fmt_bytes(d['needed_bytes'])} of {fmt_bytes(d['free_bytes'])} free", "")
+    table.add_row("wall time", f"{report['wall_seconds']:.0f} s",
+                  f"setup {b['setup_seconds']:.1f} + capture {b['capture_seconds']:.1f} + {report['layers']} layers "
+                  f"{b['layers_seconds']:.1f} + hashing {b['finish_seconds']:.1f}")
+    console.print(table)
+    console.print(f"per layer: {b['per_layer_fixed_seconds']:.3f} s fixed + {b['per_sample_forward_seconds']:.4f} s "
+                  f"per sample x {report['samples']} samples; compute {report['compute_dtype']}", highlight=False)
+    for w in report.get("tp_warnings") or []:
+        console.print(f"[yellow]warning:[/] tp={w['tp']}: {w['module']} ({w['problem']})", highlight=False)
 
 
 @app.command()
@@ -238,6 +316,10 @@ def convert_mla(
 
         if output is None:
             raise QuantkitError("--output is required")
+        if sweep:
+            from quantkit.optional import require
+
+            require("matplotlib", "convert-mla --sweep")  # its plot; checked before hours of conversion
         ranks = [parse_rank(r) for r in sweep.split(",") if r.strip()] if sweep else [parse_rank(kv_lora_rank)]
         if refine_steps < 0:
             raise QuantkitError(f"--refine-steps must be 0 or more; got {refine_steps}")
@@ -313,6 +395,13 @@ def eval_cmd(
         from quantkit.eval.report import print_table, write_report
         from quantkit.eval.runner import EvalOptions, run_eval
         from quantkit.eval.speculative import SpecOptions
+        from quantkit.optional import require
+
+        # Optional packages are checked before any model work, so a missing one costs a second, not a run.
+        if report is not None:
+            require("matplotlib", "eval --report")
+        if lm_eval:
+            require("lm_eval", "eval --lm-eval")
 
         opts = EvalOptions(
             checkpoints=list(checkpoints), baseline=baseline, dataset=dataset, num_samples=num_samples,
@@ -347,6 +436,115 @@ def eval_cmd(
             raise typer.Exit(3)
 
     _guarded(debug, body)
+
+
+@app.command("check-serving")
+def check_serving_cmd(
+    checkpoint: Path = typer.Argument(..., help="A checkpoint folder (compressed-tensors or plain HF)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size vLLM will serve with."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size."),
+    gpu: str = typer.Option("sm_90", "--gpu", help="Target compute capability: sm_80, sm_86, sm_89, sm_90, ... or cpu (vLLM's CPU build)."),
+    vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="vLLM version to check format features against (default: the version the kernel facts were read from)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Activation dtype vLLM serves in (bfloat16, float16; default: the checkpoint's)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Will vLLM load this checkpoint (tp/pp split, GPU kernels, version features)? Exit 0 yes, 3 no."""
+
+    def body():
+        from quantkit.serving.check import ServingTarget, check_serving
+
+        report = check_serving(checkpoint, ServingTarget(tp, pp, gpu, vllm_version, dtype))
+        if as_json:
+            _print_json(report)
+        else:
+            _print_serving(report)
+        if not report["compatible"]:
+            raise typer.Exit(3)
+
+    _guarded(debug, body)
+
+
+def _print_serving(report: dict) -> None:
+    t = report["target"]
+    where = "vLLM CPU build" if t["platform"] == "cpu" else f"sm_{t['compute_capability']}"
+    verdict = "[green]will load[/]" if report["compatible"] else "[bold red]will NOT load[/]"
+    console.print(f"[bold]{report['checkpoint']}[/] on {where}, tp={t['tp']} pp={t['pp']}, vLLM {t['vllm_version']}, "
+                  f"{t['dtype']}: {verdict} ({report['linears_checked']} linears checked)")
+    if report["kernels"]:
+        table = Table(title="kernels vLLM will pick")
+        for col in ("kernel", "linears", "N per rank", "K per rank"):
+            table.add_column(col, justify="right" if col != "kernel" else "left")
+        for row in report["kernels"]:
+            table.add_row(row["kernel"], str(row["linears"]), str(row["n_part"]), str(row["k_part"]))
+        console.print(table)
+    if report["problems"]:
+        table = Table(title=f"{len(report['problems'])} problem(s)")
+        table.add_column("tensor")
+        table.add_column("reason")
+        for p in report["problems"][:40]:
+            table.add_row(p["tensor"], p["reason"])
+        console.print(table)
+        if len(report["problems"]) > 40:
+            console.print(f"... and {len(report['problems']) - 40} more (--json lists all)")
+    for w in report["warnings"]:
+        console.print(f"[yellow]warning:[/] {w['tensor']}: {w['reason']}", highlight=False)
+    console.print(f"[dim]kernel facts: {report['facts']['source']}[/]", highlight=False)
+
+
+@app.command()
+def release(
+    recipe: Path = typer.Argument(..., help="Release recipe YAML (base model, variants, calibration, evaluation, gates); a built-in name works too."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Release folder (default: the recipe's `output`, else release-NAME)."),
+    verify_determinism: bool = typer.Option(False, "--verify-determinism", help="Build one variant twice and compare every tensor file's sha256."),
+    force: bool = typer.Option(False, "--force", help="Rebuild variants even when their manifest says they are up to date."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    compute_dtype: str = typer.Option("auto", "--compute-dtype", help="Calibration matmul dtype: auto, bfloat16 or float32."),
+    as_json: bool = typer.Option(False, "--json", help="Print release.json on stdout."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Quantise every variant of a release recipe, evaluate them against the base in one pass, apply the gates,
+    write a model card into each checkpoint and release.md/release.json. Exit 3 when a gate fails."""
+
+    def body():
+        from quantkit.release import ReleaseOptions, failed_gates, run_release
+
+        summary = run_release(ReleaseOptions(recipe, output, verify_determinism, device,
+                                             _compute_choice(compute_dtype), force))
+        if as_json:
+            _print_json(summary)
+        else:
+            _print_release(summary)
+        failures = failed_gates(summary)
+        for line in failures:
+            err_console.print(f"[bold red]gate failed:[/] {escape_markup(line)}", highlight=False, soft_wrap=True)
+        if failures:
+            raise typer.Exit(3)
+
+    _guarded(debug, body)
+
+
+def escape_markup(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _print_release(summary: dict) -> None:
+    table = Table(title=f"release {summary['name']} -> {summary['output']} (base ppl {summary['base']['ppl']})")
+    for col in ("variant", "scheme", "method", "KL mean", "ppl", "size MB", "built", "gates", "passed"):
+        table.add_column(col, justify="left" if col in ("variant", "scheme", "method", "gates") else "right")
+    for v in summary["variants"]:
+        gates = ", ".join(f"{g['gate']} {'ok' if g['passed'] else 'FAIL'}" for g in v["gates"]) or "-"
+        table.add_row(v["name"], v["scheme"], v["method"], str(v["kl_mean"]), str(v["ppl"]),
+                      f"{v['size_bytes'] / 1e6:.1f}", "yes" if v["built"] else "kept", gates,
+                      "[green]yes[/]" if v["passed"] else "[red]no[/]")
+    console.print(table)
+    d = summary.get("determinism")
+    if d:
+        console.print(f"determinism ({d['variant']} built twice): "
+                      + ("[green]identical tensor files[/]" if d["identical"] else f"[red]differ: {d['mismatched']}[/]"))
+    console.print(f"wrote {summary['output']}/release.md, release.json and a README.md model card in each variant")
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from quantkit.errors import InputError
-from quantkit.formats.manifest import MANIFEST, quantized_weight_stats, verify_manifest
+from quantkit.formats.manifest import MANIFEST, quantized_weight_stats, read_manifest, verify_manifest
 
 
 def _scheme_name(qc: dict) -> str:
@@ -40,7 +40,7 @@ def inspect_checkpoint(folder: Path) -> dict:
     config = json.loads(config_path.read_text())
     qc = config.get("quantization_config") or {}
     manifest_path = folder / MANIFEST
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    manifest = read_manifest(folder) if manifest_path.is_file() else None
     mismatches = verify_manifest(folder) if manifest else [f"{MANIFEST} (missing)"]
     stats = quantized_weight_stats(folder)
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))

@@ -69,16 +69,9 @@ class Recipe:
 
     @classmethod
     def load(cls, path: str | Path) -> "Recipe":
-        path = Path(path)
-        if not path.is_file():
-            raise InputError(f"recipe file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise InputError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-        if data is not None and not isinstance(data, dict):
-            raise InputError(f"recipe {path} must be a mapping")
-        return cls.from_dict(data)
+        """A recipe file, or a recipe shipped with quantkit by name (`rtn-w4a16`, `recipes/rtn-w4a16.yaml`):
+        a wheel install has no `recipes/` folder, so names the README uses resolve to the packaged copy."""
+        return cls.from_dict(load_yaml_mapping(path, "recipe"))
 
     def override(self, section: str, **values) -> None:
         """Set the fields whose value is not None (the CLI flags the user actually gave)."""
@@ -86,3 +79,30 @@ class Recipe:
         for key, value in values.items():
             if value is not None:
                 setattr(target, key, value)
+
+
+def find_recipe_text(path: str | Path, what: str = "recipe") -> tuple[str, str]:
+    """(YAML text, where it came from) for a file, else for a built-in recipe of that name."""
+    from quantkit.resources import builtin_file, builtin_names
+
+    path = Path(path)
+    if path.is_file():
+        return path.read_text(), str(path)
+    shipped = None
+    if path.parent in (Path("."), Path("recipes")):
+        shipped = builtin_file("recipes", path.name, ".yaml")
+    if shipped is None:
+        names = ", ".join(builtin_names("recipes", ".yaml"))
+        raise InputError(f"{what} file {path} does not exist (built-in recipes: {names})")
+    return shipped.read_text(), f"built-in {shipped.name}"
+
+
+def load_yaml_mapping(path: str | Path, what: str = "recipe") -> dict:
+    text, where = find_recipe_text(path, what)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InputError(f"{what} {where} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if data is not None and not isinstance(data, dict):
+        raise InputError(f"{what} {where} must be a mapping")
+    return data or {}

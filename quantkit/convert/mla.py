@@ -624,7 +624,10 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
             summary["refine"] = [{"layer": r["layer"], **r["refine"]} for r in layers_report if "refine" in r]
         files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                  for p in sorted(partial.iterdir()) if p.is_file()}
-        manifest = {"quantkit_version": package_versions()["quantkit"], "kind": "convert-mla",
+        from quantkit.formats.manifest import SCHEMA_VERSION
+
+        manifest = {"schema_version": SCHEMA_VERSION, "quantkit_version": package_versions()["quantkit"],
+                    "kind": "convert-mla",
                     "source": {"model": resolved.label, "path": str(resolved.path)},
                     "versions": package_versions(), **{k: summary[k] for k in ("options", "dims", "kv_cache",
                                                                              "calibration", "compute",
@@ -752,8 +755,9 @@ def mla_reference_logits(folder: Path, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def plot_sweep(points: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+    from quantkit.optional import require
 
+    matplotlib = require("matplotlib", "convert-mla --sweep")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -779,7 +783,18 @@ def plot_sweep(points: list[dict], path: Path, title: str) -> None:
 def run_convert(model: str | None, output: Path, ranks: list[int | None], rope_dim: int | None, dataset: str,
                 num_samples: int, seq_len: int, eval_samples: int, overwrite: bool, sweep: bool = False,
                 opts: MLAOptions | None = None) -> dict:
-    """`quantkit convert-mla`: one conversion (or one per rank with `sweep`), each evaluated on held-out text."""
+    """`quantkit convert-mla`: one conversion (or one per rank with `sweep`), each evaluated on held-out text.
+    One writer per output (the same lock as quantize)."""
+    from quantkit.pipeline.lock import output_lock
+
+    with output_lock(Path(output)):
+        return _run_convert(model, output, ranks, rope_dim, dataset, num_samples, seq_len, eval_samples,
+                            overwrite, sweep, opts)
+
+
+def _run_convert(model: str | None, output: Path, ranks: list[int | None], rope_dim: int | None, dataset: str,
+                 num_samples: int, seq_len: int, eval_samples: int, overwrite: bool, sweep: bool,
+                 opts: MLAOptions | None) -> dict:
     from transformers import AutoConfig
 
     from quantkit.formats.manifest import MANIFEST

@@ -19,7 +19,6 @@ import yaml
 
 from quantkit.errors import InputError
 
-MANIFEST_DIRS = [Path(__file__).resolve().parents[2] / "calibration_data", Path(__file__).resolve().parent / "manifests"]
 TEXT_COLUMNS = ("text", "content", "document", "body", "sentence", "question")
 
 
@@ -48,12 +47,13 @@ class CalibrationSet:
         }
 
 
-def _find_manifest(name: str) -> Path | None:
-    for folder in MANIFEST_DIRS:
-        candidate = folder / f"{name}.yaml"
-        if candidate.is_file():
-            return candidate
-    return None
+def _find_manifest(name: str):
+    """A built-in calibration manifest (`kjv`), shipped as package data."""
+    from quantkit.resources import builtin_file
+
+    if name.endswith(".yaml") or "/" in name:
+        return None  # a path the user names is a file, never a built-in
+    return builtin_file("calibration", name, ".yaml")
 
 
 def _package_file(module: str, rel: str, package: str) -> Path:

@@ -11,10 +11,10 @@ from quantkit.errors import InputError
 
 
 def _make_lm_class():
-    try:
-        from lm_eval.api.model import LM
-    except ImportError:
-        raise InputError("--lm-eval needs lm-evaluation-harness: pip install lm-eval") from None
+    from quantkit.optional import require
+
+    require("lm_eval", "eval --lm-eval")
+    from lm_eval.api.model import LM
 
     class QuantkitLM(LM):
         def __init__(self, runtime, tokenizer, max_length: int = 2048):

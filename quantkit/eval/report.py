@@ -151,8 +151,9 @@ def _moe_plots(folder: Path, report: dict, plt) -> list[str]:
 
 
 def write_plots(folder: Path, report: dict, token_kl: dict) -> list[str]:
-    import matplotlib
+    from quantkit.optional import require
 
+    matplotlib = require("matplotlib", "eval --report")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np

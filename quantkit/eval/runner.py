@@ -15,7 +15,7 @@ from quantkit.errors import InputError, QuantkitError
 from quantkit.eval.baseline import BaselineCache
 from quantkit.eval.speculative import SpecOptions
 from quantkit.eval.metrics import TOKEN_FIELDS, nll_only, perplexity, summarize, token_stats
-from quantkit.formats.manifest import MANIFEST, package_versions, quantized_weight_stats, verify_manifest
+from quantkit.formats.manifest import MANIFEST, package_versions, quantized_weight_stats, read_manifest, verify_manifest
 from quantkit.compute import ComputeChoice, choose_compute_dtype, matmul_shapes
 from quantkit.progress import announce, progress_bar
 from quantkit.runtime.dispatch import KERNEL_MODES
@@ -76,10 +76,7 @@ def default_baseline(checkpoint: Path) -> str | None:
     """The model a quantkit checkpoint was made from (its manifest), else None (the embedded default)."""
     manifest = checkpoint / MANIFEST
     if manifest.is_file():
-        try:
-            src = json.loads(manifest.read_text()).get("source", {}).get("path")
-        except json.JSONDecodeError:
-            return None
+        src = read_manifest(checkpoint).get("source", {}).get("path")
         if src and Path(src).is_dir():
             return src
     return None

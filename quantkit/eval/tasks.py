@@ -16,7 +16,6 @@ import torch
 
 from quantkit.errors import InputError
 
-BUILTIN_DIR = Path(__file__).resolve().parents[1] / "builtin" / "tasks"
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,9 @@ class MCItem:
 
 
 def builtin_tasks() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(BUILTIN_DIR.glob("*.jsonl"))}
+    from quantkit.resources import builtin_file, builtin_names
+
+    return {name: Path(str(builtin_file("tasks", name, ".jsonl"))) for name in builtin_names("tasks", ".jsonl")}
 
 
 def load_task_file(path: Path) -> list[MCItem]:

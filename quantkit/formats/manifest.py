@@ -14,6 +14,10 @@ import quantkit
 from quantkit.models.safetensors_index import SafetensorsIndex
 
 MANIFEST = "quantkit_manifest.json"
+# The manifest's layout version. Raise it when a field changes meaning or is removed (adding fields is
+# compatible); readers refuse a newer version instead of misreading it. Manifests written before the field
+# existed (version 0) have the same layout as version 1 and are read as such.
+SCHEMA_VERSION = 1
 
 
 def sha256_file(path: Path) -> str:
@@ -83,6 +87,7 @@ def write_manifest(folder: Path, recipe, summary: dict, handle) -> dict:
         source_files[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
     stats = quantized_weight_stats(folder)
     manifest = {
+        "schema_version": SCHEMA_VERSION,
         "quantkit_version": quantkit.__version__,
         "source": {"model": summary["model"], "path": summary["model_path"], "files": source_files,
                    "bytes": summary["original_bytes"]},
@@ -108,10 +113,31 @@ def write_manifest(folder: Path, recipe, summary: dict, handle) -> dict:
     return manifest
 
 
+def read_manifest(folder: Path) -> dict:
+    """The manifest of a checkpoint folder, its schema version checked (InputError when unreadable or newer
+    than this quantkit understands)."""
+    from quantkit.errors import InputError
+
+    path = Path(folder) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(manifest, dict):
+        raise InputError(f"{path} is not a quantkit manifest (not a JSON object)")
+    version = manifest.get("schema_version", 0)
+    if not isinstance(version, int) or version < 0:
+        raise InputError(f"{path} has an invalid schema_version {version!r}")
+    if version > SCHEMA_VERSION:
+        raise InputError(f"{path} has manifest schema_version {version}, newer than this quantkit "
+                         f"{quantkit.__version__} reads ({SCHEMA_VERSION}); upgrade quantkit")
+    return manifest
+
+
 def verify_manifest(folder: Path) -> list[str]:
     """Names of files whose hash or size does not match the manifest (missing files included)."""
     folder = Path(folder)
-    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest = read_manifest(folder)
     bad = []
     for name, meta in manifest.get("files", {}).items():
         path = folder / name

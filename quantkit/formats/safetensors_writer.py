@@ -60,6 +60,7 @@ class PlannedShardWriter:
         ]
         self.slots: dict[str, _Slot] = {}
         self.weight_map: dict[str, str] = {}
+        self.sizes: dict[str, int] = {}  # file name -> its exact size once written (header + data)
         for path, shard in zip(self.files, shards):
             header, offset = {}, 0
             for spec in shard:
@@ -70,6 +71,7 @@ class PlannedShardWriter:
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
             base = 8 + len(raw)
+            self.sizes[path.name] = base + offset
             for spec in shard:
                 self.slots[spec.name] = _Slot(path, base + header[spec.name]["data_offsets"][0], spec)
                 self.weight_map[spec.name] = path.name
@@ -131,9 +133,15 @@ class PlannedShardWriter:
             os.close(fd)
         self._fds.clear()
 
-    def write_index(self) -> None:
+    def index_text(self) -> str | None:
+        """model.safetensors.index.json as it will be written (None for a single shard)."""
         if len(self.files) == 1:
-            return
+            return None
         total = sum(s.spec.nbytes for s in self.slots.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self.weight_map.items()))}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return json.dumps(index, indent=2)
+
+    def write_index(self) -> None:
+        text = self.index_text()
+        if text is not None:
+            (self.folder / "model.safetensors.index.json").write_text(text)

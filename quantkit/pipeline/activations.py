@@ -22,6 +22,8 @@ class ActivationStore:
         if self.folder is None:
             self._mem[j] = tensor
         else:
+            # A new file, never a write through the old path: the resume state may hard-link the old one.
+            self._path(j).unlink(missing_ok=True)
             torch.save(tensor.detach().cpu().contiguous(), self._path(j))
 
     def __getitem__(self, j: int) -> torch.Tensor:
@@ -29,15 +31,26 @@ class ActivationStore:
             return self._mem[j]
         return torch.load(self._path(j), weights_only=True)
 
-    def save_to(self, folder: Path, count: int) -> None:
-        """Persist every batch to `folder` (for the resume journal)."""
+    def save_to(self, folder: Path, count: int) -> int:
+        """Persist every batch to `folder` (for the resume journal). Spilled batches are hard-linked where
+        the filesystem allows (no bytes written). Returns the bytes actually written."""
+        import os
+
         folder.mkdir(parents=True, exist_ok=True)
+        written = 0
         for j in range(count):
             target = folder / f"batch-{j:05d}.pt"
+            target.unlink(missing_ok=True)
             if self.folder is not None:
-                shutil.copyfile(self._path(j), target)
+                try:
+                    os.link(self._path(j), target)
+                    continue
+                except OSError:  # another filesystem (EXDEV) or no hard links: copy
+                    shutil.copyfile(self._path(j), target)
             else:
                 torch.save(self._mem[j].contiguous(), target)
+            written += target.stat().st_size
+        return written
 
     @classmethod
     def load_from(cls, folder: Path, count: int, spill: Path | None) -> "ActivationStore":

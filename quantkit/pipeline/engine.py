@@ -226,13 +226,19 @@ def process_layer(
     n_batches: int,
     on_batch=None,
     on_routing=None,
+    timings: dict | None = None,
 ) -> float:
     """Calibrate, quantise and propagate one layer. Returns the layer's relative output error.
     `on_routing(selected [T, k])` sees the quantised pass's routing of each batch (MoE layers), once per token.
 
     The first pass gives the reference outputs and the statistics of the first stage of methods. A
     calibrating transform (SmoothQuant) changes what later methods see, so the methods after it (GPTQ's
-    Hessian, static input scales) get their statistics from another pass over the transformed layer."""
+    Hessian, static input scales) get their statistics from another pass over the transformed layer.
+    `timings`, when given, accumulates the seconds spent in forward passes and in the methods' apply (what
+    `plan` extrapolates from: the first scales with the samples, the second does not)."""
+    timings = {} if timings is None else timings
+    timings.setdefault("forward", 0.0)
+    timings.setdefault("apply", 0.0)
     check_finite_weights(ctx)
     static = [n for n in ctx.targets if ctx.scheme_for(n).static_activations]
     stages = method_stages(methods)
@@ -243,6 +249,7 @@ def process_layer(
             hooks = [h for m in stage for h in m.attach(ctx)] if needs_stats else []
             hooks += [_observe_absmax(ctx, n) for n in observe]
             _set_calibration_mode(layer, needs_stats)
+            began = time.perf_counter()
             with torch.no_grad():
                 for j in range(n_batches):
                     out = run_layer(layer, inputs[j], calls[j][ctx.index])
@@ -250,11 +257,14 @@ def process_layer(
                         outputs[j] = out
                     if on_batch:
                         on_batch()
+            timings["forward"] += time.perf_counter() - began
             for h in hooks:
                 h.remove()
             _set_calibration_mode(layer, False)
+        began = time.perf_counter()
         for method in stage:
             method.apply(ctx)
+        timings["apply"] += time.perf_counter() - began
     if ctx.pending():
         raise RunError(f"layer {ctx.index}: {ctx.pending()[0]} was not quantised by {methods[-1].name}")
     input_scales = {n: _static_input_scale(ctx, n) for n in static}
@@ -266,6 +276,7 @@ def process_layer(
         hooks += [m.register_forward_pre_hook(lambda mod, args: on_routing(args[1]))
                   for m in layer.modules() if isinstance(m, UnfusedExperts)]
     num = den = 0.0
+    began = time.perf_counter()
     with torch.no_grad():
         for j in range(n_batches):
             reference = outputs[j]
@@ -278,6 +289,7 @@ def process_layer(
             outputs[j] = quantized
             if on_batch:
                 on_batch()
+    timings["forward"] += time.perf_counter() - began
     for h in hooks:
         h.remove()
     ctx.input_scales = input_scales
@@ -367,32 +379,40 @@ def _simulate_activations(ctx: LayerContext, name: str, input_scale: torch.Tenso
     return ctx.targets[name].register_forward_pre_hook(hook)
 
 
-def quantize_model(
-    recipe: Recipe,
-    output: Path,
-    resume: bool = False,
-    overwrite: bool = False,
-    offload_dir: Path | None = None,
-    device: str = "auto",
-    max_shard_bytes: int | None = None,
-    compute_dtype: str = "auto",
-    tp: int | None = None,
-) -> dict:
-    t_start = time.time()
-    return_large_frees_to_os()
-    output = Path(output)
+@dataclass
+class RunSetup:
+    """Everything a layer-streaming run decides before touching a layer: what is quantised how, with which
+    calibration tokens, into which tensors. Shared by `quantize` and `plan`."""
+
+    recipe: Recipe
+    scheme: Scheme
+    methods: list[Method]
+    resolved: object  # ResolvedModel
+    handle: ModelHandle
+    tokenizer: object
+    plans: list[LayerPlan]
+    tp_warnings: list[dict]
+    calib: CalibrationSet
+    n_samples: int
+    batch_size: int
+    n_batches: int
+    weight_dtype: torch.dtype
+    specs: list[TensorSpec]
+
+    def activation_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """One generation of calibration activations (every sample's hidden states entering a layer)."""
+        hidden = getattr(self.handle.config, "hidden_size", None) or self.handle.config.get_text_config().hidden_size
+        size = torch.empty((), dtype=dtype or torch.float32).element_size()
+        return self.n_samples * self.calib.input_ids.shape[1] * hidden * size
+
+    def output_bytes_lower_bound(self) -> int:
+        return sum(spec.nbytes for spec in self.specs)
+
+
+def prepare_run(recipe: Recipe, tp: int | None = None) -> RunSetup:
     q, c = recipe.quantization, recipe.calibration
     scheme = get_scheme(q.scheme, q.group_size)
     methods = build_methods(q.method, scheme, q.options)
-    from quantkit.pipeline.stream import stream_quantize, streams
-
-    if streams(methods, scheme):
-        return stream_quantize(recipe, output, scheme, overwrite=overwrite, max_shard_bytes=max_shard_bytes, tp=tp)
-    if output.exists() and not overwrite:
-        raise InputError(f"output {output} already exists; pass --overwrite to replace it")
-    partial = output.with_name(output.name + ".partial")
-    device = _resolve_device(device)
-
     resolved = resolve_model(recipe.model.source)
     handle = open_model(resolved, recipe.model.trust_remote_code)
     from transformers import AutoTokenizer
@@ -435,6 +455,57 @@ def quantize_model(
             specs.append(TensorSpec(ckpt, dtype, shape))
         for name in p.copied:
             specs.append(TensorSpec(name, handle.index.dtype(name), handle.index.tensors[name].shape))
+    return RunSetup(recipe, scheme, methods, resolved, handle, tokenizer, plans, shard_warnings, calib, n_samples,
+                    batch_size, n_batches, weight_dtype, specs)
+
+
+def quantize_model(
+    recipe: Recipe,
+    output: Path,
+    resume: bool = False,
+    overwrite: bool = False,
+    offload_dir: Path | None = None,
+    device: str = "auto",
+    max_shard_bytes: int | None = None,
+    compute_dtype: str = "auto",
+    tp: int | None = None,
+) -> dict:
+    """Quantise `recipe`'s model into `output` (written as `output.partial`, renamed at the end). One run
+    per output at a time: a second one exits 2 naming the first one's pid."""
+    from quantkit.pipeline.lock import output_lock
+
+    with output_lock(Path(output)):
+        return _quantize_locked(recipe, Path(output), resume, overwrite, offload_dir, device, max_shard_bytes,
+                                compute_dtype, tp)
+
+
+def _quantize_locked(recipe: Recipe, output: Path, resume: bool, overwrite: bool, offload_dir: Path | None,
+                     device: str, max_shard_bytes: int | None, compute_dtype: str, tp: int | None) -> dict:
+    t_start = time.time()
+    return_large_frees_to_os()
+    output = Path(output)
+    q = recipe.quantization
+    scheme = get_scheme(q.scheme, q.group_size)
+    methods = build_methods(q.method, scheme, q.options)
+    from quantkit.pipeline.stream import stream_quantize, streams
+
+    if streams(methods, scheme):
+        return stream_quantize(recipe, output, scheme, overwrite=overwrite, max_shard_bytes=max_shard_bytes, tp=tp)
+    if output.exists() and not overwrite:
+        raise InputError(f"output {output} already exists; pass --overwrite to replace it")
+    partial = output.with_name(output.name + ".partial")
+    device = _resolve_device(device)
+    setup = prepare_run(recipe, tp)
+    resolved, handle, plans, calib = setup.resolved, setup.handle, setup.plans, setup.calib
+    shard_warnings, n_samples, batch_size, n_batches = setup.tp_warnings, setup.n_samples, setup.batch_size, setup.n_batches
+    weight_dtype, specs = setup.weight_dtype, setup.specs
+    methods = setup.methods  # fresh instances: the ones above only decided the path
+    from quantkit.pipeline.plan import check_disk_space
+
+    # Refuse now, not hours in, when the output and the resume state (or the spilled activations) cannot fit.
+    generation = setup.activation_bytes()  # fp32: the widest activations a run keeps
+    check_disk_space(output, setup.output_bytes_lower_bound(), offload_dir=offload_dir, resume=resume,
+                     state_bytes=0 if offload_dir else 2 * generation, spill_bytes=2 * generation if offload_dir else 0)
 
     run_key = _run_key(recipe, calib, handle)
     journal = None
@@ -515,6 +586,7 @@ def quantize_model(
         "events": journal.events,
         "scheme_overrides": overrides,
         "tp_warnings": shard_warnings,
+        "resume_state_bytes": journal.state_bytes,
     }
     if wrote_profile:
         summary["routing_profile"] = "routing_profile.json"
@@ -597,7 +669,7 @@ def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, de
 
         hidden, calls = capture_layer_inputs(handle, calib.input_ids, batch_size, device, compute_dtype)
         current = ActivationStore(spill / "a" if spill else None)
-        start = journal.layers_done
+        start = journal.resume_layer()
         if start == 0:
             for j, h in enumerate(hidden):
                 current[j] = h
@@ -615,29 +687,38 @@ def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, de
             gc.unfreeze()
 
 
+def layer_context(handle: ModelHandle, plan: LayerPlan, layer: nn.Module, scheme: Scheme,
+                  weight_dtype: torch.dtype, compute_dtype: torch.dtype, autocast: bool) -> LayerContext:
+    modules = dict(layer.named_modules())
+    return LayerContext(
+        index=plan.index,
+        layer=layer,
+        targets={t.local: modules[t.local] for t in plan.targets},
+        scheme=scheme,
+        schemes={t.local: t.scheme for t in plan.targets if t.scheme is not scheme},
+        checkpoint_names={t.local: t.checkpoint for t in plan.targets},
+        weight_dtype=weight_dtype,
+        adapter=handle.adapter,
+        matmul_dtype=torch.bfloat16 if autocast else compute_dtype,
+    )
+
+
 def _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journal, partial, state_dir, spill,
                 weight_dtype, compute_dtype, autocast, progress, current, calls, start) -> None:
+    from quantkit.pipeline.journal import StatePolicy
+
     layer_task = progress.add_task("layers", total=len(plans), completed=start, info="")
     batch_task = progress.add_task("  batches", total=2 * n_batches, info="")
     delay = float(os.environ.get("QUANTKIT_DEBUG_LAYER_DELAY", "0"))  # test aid: widen the kill window
+    policy = StatePolicy()
     for plan in plans[start:]:
         t0 = time.time()
         i = plan.index
         if delay:
             time.sleep(delay)
         layer = handle.materialize_layer(i, compute_dtype, device)
-        modules = dict(layer.named_modules())
-        ctx = LayerContext(
-            index=i,
-            layer=layer,
-            targets={t.local: modules[t.local] for t in plan.targets},
-            scheme=scheme,
-            schemes={t.local: t.scheme for t in plan.targets if t.scheme is not scheme},
-            checkpoint_names={t.local: t.checkpoint for t in plan.targets},
-            weight_dtype=weight_dtype,
-            adapter=handle.adapter,
-            matmul_dtype=torch.bfloat16 if autocast else compute_dtype,
-        )
+        ctx = layer_context(handle, plan, layer, scheme, weight_dtype, compute_dtype, autocast)
+        modules = None
         nxt = ActivationStore(spill / ("b" if current.folder.name == "a" else "a") if spill else None)
         progress.reset(batch_task, total=2 * n_batches, info=f"layer {i}")
         counts = _routing_counter(layer, handle)
@@ -658,15 +739,23 @@ def _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journ
         for name in plan.copied:
             writer.write(name, handle.index.get(name))
         writer.sync()
-        # Persist the activations entering the next layer, then commit: a kill at any point resumes here.
-        nxt.save_to(state_dir / f"gen-{i + 1:05d}", n_batches)
+        # Persist the activations entering the next layer when the policy says the cost is due, then commit:
+        # a kill resumes from the newest saved generation (recomputing any layers after it, same bytes).
+        # Only that one generation is kept; the previous one is deleted once the journal names the new one.
+        previous = journal.state_layer
+        if i + 1 < len(plans) and policy.due():
+            began = time.monotonic()
+            journal.state_bytes += nxt.save_to(state_dir / f"gen-{i + 1:05d}", n_batches)
+            policy.saved(began)
+            journal.state_layer = i + 1
         record = {"layer": i, "rel_error": rel, "seconds": round(time.time() - t0, 3),
                   "linear_errors": ctx.linear_errors}
         journal.layer_records.append(record)
         journal.events.extend(ctx.events)
         journal.layers_done = i + 1
         journal.commit(partial)
-        shutil.rmtree(state_dir / f"gen-{i:05d}", ignore_errors=True)
+        if previous and previous != journal.state_layer:
+            shutil.rmtree(state_dir / f"gen-{previous:05d}", ignore_errors=True)
         if current.folder is not None and current.folder != nxt.folder:
             current.drop()
         current = nxt

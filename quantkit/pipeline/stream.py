@@ -15,6 +15,7 @@ import json
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,6 +86,41 @@ def plan_tensors(handle: ModelHandle, scheme: Scheme, ignore: list[str], strict:
     return plans
 
 
+@dataclass
+class StreamSetup:
+    """What the data-free path decides before reading a weight (shared by `quantize` and `plan`)."""
+
+    resolved: object  # ResolvedModel
+    handle: ModelHandle
+    plans: list
+    tp_warnings: list[dict]
+    weight_dtype: torch.dtype
+    specs: list[TensorSpec]
+
+
+def prepare_stream(recipe: Recipe, scheme: Scheme, tp: int | None = None) -> StreamSetup:
+    from quantkit.pipeline.tp import tp_warnings
+
+    q = recipe.quantization
+    resolved = resolve_model(recipe.model.source)
+    config = json.loads((resolved.path / "config.json").read_text())
+    check_source_quantization(config.get("quantization_config"), resolved.path)
+    adapter = adapter_for(config.get("model_type", "?"))
+    index = SafetensorsIndex(resolved.path)
+    handle = ModelHandle(resolved, config, adapter, index, skeleton=None)
+    plans = plan_tensors(handle, scheme, q.ignore, q.strict)
+    if not any(p.targets for p in plans):
+        raise InputError("nothing to quantise: every linear is ignored")
+    weight_dtype = handle.source_dtype()
+    specs: list[TensorSpec] = [TensorSpec(n, index.dtype(n), index.tensors[n].shape)
+                               for n in handle.non_layer_checkpoint_names()]
+    for p in plans:
+        for t in p.targets:
+            specs.extend(quantized_specs(t.checkpoint, t.out_features, t.in_features, t.scheme, weight_dtype))
+        specs.extend(TensorSpec(n, index.dtype(n), index.tensors[n].shape) for n in p.copied)
+    return StreamSetup(resolved, handle, plans, tp_warnings(plans, tp), weight_dtype, specs)
+
+
 def stream_quantize(recipe: Recipe, output: Path, scheme: Scheme, overwrite: bool = False,
                     max_shard_bytes: int | None = None, tp: int | None = None, threads: int = 2) -> dict:
     from quantkit.pipeline.engine import (
@@ -100,24 +136,12 @@ def stream_quantize(recipe: Recipe, output: Path, scheme: Scheme, overwrite: boo
     if output.exists() and not overwrite:
         raise InputError(f"output {output} already exists; pass --overwrite to replace it")
     partial = output.with_name(output.name + ".partial")
-    resolved = resolve_model(recipe.model.source)
-    config = json.loads((resolved.path / "config.json").read_text())
-    check_source_quantization(config.get("quantization_config"), resolved.path)
-    adapter = adapter_for(config.get("model_type", "?"))
-    index = SafetensorsIndex(resolved.path)
-    handle = ModelHandle(resolved, config, adapter, index, skeleton=None)
-    plans = plan_tensors(handle, scheme, q.ignore, q.strict)
-    if not any(p.targets for p in plans):
-        raise InputError("nothing to quantise: every linear is ignored")
-    shard_warnings = tp_warnings(plans, tp)
-    weight_dtype = handle.source_dtype()
+    setup = prepare_stream(recipe, scheme, tp)
+    resolved, handle, index, plans = setup.resolved, setup.handle, setup.handle.index, setup.plans
+    shard_warnings, weight_dtype, specs = setup.tp_warnings, setup.weight_dtype, setup.specs
+    from quantkit.pipeline.plan import check_disk_space
 
-    specs: list[TensorSpec] = [TensorSpec(n, index.dtype(n), index.tensors[n].shape)
-                               for n in handle.non_layer_checkpoint_names()]
-    for p in plans:
-        for t in p.targets:
-            specs.extend(quantized_specs(t.checkpoint, t.out_features, t.in_features, t.scheme, weight_dtype))
-        specs.extend(TensorSpec(n, index.dtype(n), index.tensors[n].shape) for n in p.copied)
+    check_disk_space(output, sum(spec.nbytes for spec in specs))
 
     if partial.exists():
         if not overwrite:

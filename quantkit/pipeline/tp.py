@@ -1,47 +1,19 @@
-"""Tensor-parallel shard checks: what vLLM would refuse to load at a given --tp.
+"""Tensor-parallel shard checks while quantising (`quantize --tp N`): what vLLM would refuse to load.
 
-vLLM splits column-parallel linears (q/k/v, gate/up, experts' gate/up) along the output dimension N and
-row-parallel ones (o_proj, down_proj, experts' down) along the input dimension K. A block-quantised weight
-needs every shard to hold whole blocks (N/tp and K/tp multiples of the block sides); a grouped weight needs
-K/tp to hold whole groups when K is split. Either dimension must also divide by tp at all. vLLM also runs
-q/k/v and gate/up as one merged linear, and with block scales every merged part but the last must hold
-whole blocks along N, even at tp=1.
+The rules themselves (vLLM's column/row split per layer type, MLA and MoE included) live in
+quantkit/serving/parallel.py, shared with `quantkit check-serving`.
 """
 
 from __future__ import annotations
 
-import re
+from quantkit.serving.parallel import QuantShape, is_row_parallel, split_problem
 
-ROW_PARALLEL = re.compile(r"(^|\.)(o_proj|down_proj|w2|out_proj|dense_4h_to_h|dense)$")
-MERGED_NOT_LAST = re.compile(r"(^|\.)(q_proj|k_proj|gate_proj|w1)$")  # v_proj / up_proj / w3 close their merge
-
-
-def is_row_parallel(module: str) -> bool:
-    return ROW_PARALLEL.search(module) is not None
+__all__ = ["is_row_parallel", "shard_problem", "tp_warnings"]
 
 
 def shard_problem(module: str, out_features: int, in_features: int, scheme, tp: int) -> str | None:
     """Why `module` cannot be split `tp` ways under `scheme`, or None."""
-    w = scheme.weights
-    row = is_row_parallel(module)
-    if w.strategy == "block" and MERGED_NOT_LAST.search(module) and (out_features // tp) % w.block[0]:
-        return f"N/tp = {out_features // tp} is not a multiple of the block {w.block[0]} inside vLLM's merged linear"
-    dim_name, dim = ("K", in_features) if row else ("N", out_features)
-    if tp == 1:
-        return None  # unsplit: a ragged last block is fine
-    if dim % tp:
-        return f"{dim_name}={dim} is not divisible by tp={tp}"
-    shard = dim // tp
-    if w.strategy == "block":
-        side = w.block[1] if row else w.block[0]
-        if shard % side:
-            return f"{dim_name}/tp = {shard} is not a multiple of the {w.block[0]}x{w.block[1]} block"
-    if w.strategy == "group" and row and shard % w.group_size:
-        return f"K/tp = {shard} is not a multiple of group size {w.group_size}"
-    acts = getattr(scheme, "input_activations", None)
-    if row and acts is not None and acts.strategy == "group" and acts.group_size and shard % acts.group_size:
-        return f"K/tp = {shard} is not a multiple of the activation group {acts.group_size}"
-    return None
+    return split_problem(module, out_features, in_features, QuantShape.from_scheme(scheme), tp)
 
 
 def tp_warnings(plans, tp: int | None) -> list[dict]:

@@ -1,0 +1,191 @@
+"""`quantkit check-serving`: will vLLM load this checkpoint at a given tensor/pipeline-parallel size, GPU and
+version, and which kernel family will it pick for each linear.
+
+Every linear of the decoder layers is checked against vLLM's split rules (quantkit/serving/parallel.py) and,
+when quantised, against the kernel tables (quantkit/serving/vllm_support.py): vLLM runs q/k/v and gate/up as
+one merged linear, so a kernel sees their summed N per rank; MoE experts run in FusedMoE and get the split
+rules only. Nothing is loaded but the safetensors headers (and the few `weight_shape` tensors).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit.errors import InputError
+from quantkit.serving import vllm_support as vs
+from quantkit.serving.parallel import Heads, QuantShape, merge_key, parallel_style, shard_sizes, split_problem
+
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+@dataclass
+class ServingTarget:
+    tp: int = 1
+    pp: int = 1
+    gpu: str = "sm_90"  # sm_XY, or "cpu" for vLLM's CPU build
+    vllm_version: str | None = None  # None: the version the facts were read from
+    dtype: str | None = None  # activation dtype vLLM serves in (--dtype); None: the checkpoint's
+
+    def platform(self) -> tuple[str, int | None]:
+        g = self.gpu.lower().strip()
+        if g == "cpu":
+            return "cpu", None
+        m = re.fullmatch(r"sm_?(\d)(\d)a?", g)
+        if not m:
+            raise InputError(f"unknown --gpu {self.gpu!r}: use sm_80, sm_86, sm_89, sm_90, sm_100, ... or cpu")
+        return "cuda", int(m.group(1)) * 10 + int(m.group(2))
+
+
+def _family(fmt) -> str:
+    w = fmt.weights
+    if w.type == "float":
+        return "fp8_block" if w.strategy == "block" else "fp8"
+    return "int8" if fmt.input is not None else "wna16"
+
+
+def _heads(config: dict) -> Heads | None:
+    heads = config.get("num_attention_heads")
+    if not heads or config.get("kv_lora_rank"):  # MLA: q/kv_b are split by heads via N, kv_a is replicated
+        return None
+    kv = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return Heads(heads, kv, head_dim)
+
+
+def _linears(index) -> dict[str, tuple[int, int, bool]]:
+    """module -> (out_features, in_features, quantised) for every 2-D linear weight inside decoder layers."""
+    out: dict[str, tuple[int, int, bool]] = {}
+    names = set(index.names())
+    for name in names:
+        if ".layers." not in name:
+            continue
+        if name.endswith(".weight_shape"):
+            module = name[: -len(".weight_shape")]
+            n, k = (int(x) for x in index.get(name).tolist())
+            out[module] = (n, k, True)
+        elif name.endswith(".weight") and len(index.tensors[name].shape) == 2:
+            module = name[: -len(".weight")]
+            if module in out:
+                continue
+            n, k = index.tensors[name].shape
+            out[module] = (int(n), int(k), f"{module}.weight_scale" in names)
+    return out
+
+
+def check_serving(checkpoint: Path, target: ServingTarget) -> dict:
+    from quantkit.models.safetensors_index import SafetensorsIndex
+    from quantkit.runtime.formats import parse_quantization_config
+    from quantkit.runtime.model import check_model_folder, read_config
+
+    folder = check_model_folder(Path(checkpoint), "checkpoint")
+    if target.tp < 1 or target.pp < 1:
+        raise InputError(f"--tp and --pp must be at least 1 (got tp={target.tp}, pp={target.pp})")
+    platform, cc = target.platform()
+    version = target.vllm_version or vs.FACTS_VLLM_VERSION
+    if not vs.version_tuple(version):
+        raise InputError(f"cannot read --vllm-version {target.vllm_version!r} (expected e.g. 0.15.1)")
+    config = read_config(folder)
+    text = config.get("text_config") or config
+    qc_raw = config.get("quantization_config")
+    qc = parse_quantization_config(qc_raw, str(folder)) if qc_raw else None
+    stored = str(text.get("torch_dtype") or config.get("torch_dtype") or text.get("dtype") or config.get("dtype")
+                 or "bfloat16").replace("torch.", "")
+    # vLLM's --dtype auto serves float16 and bfloat16 checkpoints as they are and narrows float32 ones.
+    act_dtype = target.dtype or ("bfloat16" if stored == "float32" else stored)
+    if act_dtype not in ("bfloat16", "float16"):
+        raise InputError(f"unknown --dtype {act_dtype!r}: use bfloat16 or float16")
+    index = SafetensorsIndex(folder)
+    heads = _heads(text)
+    problems: list[dict] = []
+    warnings: list[dict] = []
+
+    def problem(tensor: str, reason: str) -> None:
+        problems.append({"tensor": tensor, "reason": reason})
+
+    layers = text.get("num_hidden_layers") or 0
+    if target.pp > max(layers, 1):
+        problem("model.layers", f"pp={target.pp} exceeds the {layers} decoder layers")
+    if heads is not None and target.tp > 1 and heads.num_heads % target.tp:
+        problem("model.layers.*.self_attn", f"{heads.num_heads} attention heads are not divisible by tp={target.tp}")
+
+    linears = _linears(index)
+    merged: dict[str, dict] = {}
+    kernels: dict[tuple, dict] = {}
+    families: dict[str, int] = {}
+    for module, (n, k, quantised) in sorted(linears.items()):
+        fmt = qc.format_for(module) if (qc is not None and quantised) else None
+        quant = QuantShape.from_format(fmt) if fmt is not None else QuantShape("tensor")
+        why = split_problem(module, n, k, quant, target.tp, heads)
+        if why:
+            problem(module, why)
+            continue
+        if fmt is None:
+            continue
+        if _EXPERT.search(module):  # FusedMoE: its own kernels (split rules checked above, kernels not)
+            families["FusedMoE (experts; kernel not checked)"] = families.get("FusedMoE (experts; kernel not checked)", 0) + 1
+            continue
+        n_part, k_part = shard_sizes(module, n, k, target.tp, heads)
+        key = merge_key(module)
+        name = key[0] if key else module
+        entry = merged.setdefault(name, {"modules": [], "n_part": 0, "k_part": k_part, "k_full": k, "fmt": fmt,
+                                         "split_k": parallel_style(module) == "row" and target.tp > 1})
+        entry["modules"].append(module)
+        entry["n_part"] += n_part
+
+    for name, e in merged.items():
+        fmt = e["fmt"]
+        fam = _family(fmt)
+        w = fmt.weights
+        group = w.group_size if w.strategy == "group" else -1
+        q = vs.KernelQuery(fam, platform, cc, w.num_bits, group, not w.symmetric, w.actorder == "group",
+                           act_dtype, e["n_part"], e["k_part"], e["k_full"], e["split_k"])
+        kernel = vs.choose_kernel(q)
+        if kernel is None:
+            where = "the CPU build" if platform == "cpu" else f"sm_{cc}"
+            problem(name, f"no vLLM {fam} kernel on {where} for N/rank={e['n_part']} K/rank="
+                                     f"{e['k_part']}{'' if group == -1 else f' group {group}'} {act_dtype}: "
+                                     + "; ".join(q.rejected or ["none registered for this platform"]))
+            continue
+        label = kernel.name + (" (weight-only)" if kernel.weight_only else "")
+        families[label] = families.get(label, 0) + len(e["modules"])
+        shape_key = (label, e["n_part"], e["k_part"])
+        kernels.setdefault(shape_key, {"kernel": label, "n_part": e["n_part"], "k_part": e["k_part"], "linears": 0})
+        kernels[shape_key]["linears"] += len(e["modules"])
+
+    _check_features(qc, platform, cc, version, target, problem, warnings)
+    return {
+        "checkpoint": str(folder),
+        "compatible": not problems,
+        "problems": problems,
+        "warnings": warnings,
+        "target": {"tp": target.tp, "pp": target.pp, "platform": platform, "gpu": target.gpu,
+                   "compute_capability": cc, "vllm_version": version, "dtype": act_dtype},
+        "kernels": sorted(kernels.values(), key=lambda r: (r["kernel"], r["n_part"], r["k_part"])),
+        "kernel_families": families,
+        "linears_checked": len(linears),
+        "facts": {"vllm_version": vs.FACTS_VLLM_VERSION, "source": vs.FACTS_SOURCE},
+    }
+
+
+def _check_features(qc, platform: str, cc: int | None, version: str, target: ServingTarget, problem, warnings) -> None:
+    if qc is None:
+        return
+    present = set()
+    for _, fmt in qc.groups:
+        if fmt.weights.type == "int" and not fmt.weights.symmetric:
+            present.add("zero_points")
+        if fmt.weights.actorder == "group":
+            present.add("actorder_group")
+        if fmt.weights.strategy == "block" and platform == "cuda" and cc is not None and cc < 89:
+            present.add("fp8_block_below_sm89")
+    for feat in vs.FEATURES:
+        if feat.key not in present:
+            continue
+        if feat.min_version and platform in feat.platforms and \
+                vs.version_tuple(version) < vs.version_tuple(feat.min_version):
+            problem("quantization_config", f"{feat.description} needs vLLM >= {feat.min_version} "
+                                           f"(target {version}; {feat.source})")
+        if feat.deprecated:
+            warnings.append({"tensor": "quantization_config", "reason": f"{feat.description}: {feat.deprecated}"})

@@ -1,0 +1,147 @@
+"""`quantkit check-serving` on checkpoints quantised here, at TP sizes that do and do not divide.
+
+Expectations are worked out by hand from vLLM's rules (column/row splits, merged q/k/v and gate/up, each
+kernel's can_implement), not read back from quantkit's tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from quantkit.cli import app
+from quantkit.pipeline.engine import quantize_model
+from quantkit.recipe import Recipe
+
+runner = CliRunner()
+
+
+def _quantize(src, out, scheme="W4A16", group=32, method="rtn", tp=None):
+    r = Recipe()
+    r.model.source = str(src)
+    r.quantization.method, r.quantization.scheme, r.quantization.group_size = method, scheme, group
+    r.calibration.num_samples, r.calibration.seq_len = 2, 32
+    return quantize_model(r, out, tp=tp)
+
+
+def _check(ckpt, *args):
+    result = runner.invoke(app, ["check-serving", str(ckpt), *args, "--json"])
+    assert result.exit_code in (0, 3), result.output
+    report = json.loads(result.stdout)
+    assert set(report) >= {"compatible", "problems"} and all(set(p) == {"tensor", "reason"} for p in report["problems"])
+    assert (result.exit_code == 0) == report["compatible"]
+    return report
+
+
+@pytest.fixture(scope="module")
+def w4_tiny(tiny_models, tmp_path_factory):
+    """Tiny Llama: hidden 64, 4 heads (2 KV heads of 16), MLP 128; W4A16 groups of 32."""
+    out = tmp_path_factory.mktemp("serve") / "w4"
+    _quantize(tiny_models["llama"], out)
+    return out
+
+
+def test_cpu_build_tp_that_divides_and_one_that_does_not(w4_tiny):
+    for tp in (1, 2):
+        report = _check(w4_tiny, "--gpu", "cpu", "--tp", str(tp))
+        assert report["compatible"], report["problems"]
+        assert set(report["kernel_families"]) == {"CPUWNA16LinearKernel"}
+    report = _check(w4_tiny, "--gpu", "cpu", "--tp", "4")
+    assert not report["compatible"]
+    by_tensor = {p["tensor"]: p["reason"] for p in report["problems"]}
+    # o_proj is row-parallel: K = 64 / 4 = 16 holds no whole group of 32.
+    assert by_tensor["model.layers.0.self_attn.o_proj"] == "K/tp = 16 is not a multiple of group size 32"
+    # q/k/v run as one linear: q 64/4 = 16, the 2 KV heads are replicated (one of 16 per rank): N = 48 per rank,
+    # and the CPU kernel needs multiples of 32.
+    qkv = by_tensor["model.layers.0.self_attn.q_proj+k_proj+v_proj"]
+    assert "N per rank 48 is not a multiple of 32" in qkv
+    heads = _check(w4_tiny, "--gpu", "cpu", "--tp", "8")
+    assert {"tensor": "model.layers.*.self_attn",
+            "reason": "4 attention heads are not divisible by tp=8"} in heads["problems"]
+
+
+def test_gpu_kernel_chain_and_dtype(w4_tiny):
+    # sm_90, bf16: Machete takes only groups of 128, Marlin needs K % 128 (only down_proj has K = 128; the rest
+    # read the 64-wide hidden state), Exllama float16 only.
+    report = _check(w4_tiny, "--gpu", "sm_90")
+    assert not report["compatible"]
+    by_tensor = {p["tensor"]: p["reason"] for p in report["problems"]}
+    assert set(by_tensor) == {f"model.layers.{i}.{m}" for i in range(2) for m in
+                              ("self_attn.q_proj+k_proj+v_proj", "self_attn.o_proj", "mlp.gate_proj+up_proj")}
+    reason = by_tensor["model.layers.0.mlp.gate_proj+up_proj"]
+    assert "MacheteLinearKernel: group size 32 not supported" in reason and "K per rank 64 is not a multiple of 128" in reason
+    assert report["kernel_families"] == {"MarlinLinearKernel": 2}  # the two down_proj
+    fp16 = _check(w4_tiny, "--gpu", "sm_90", "--dtype", "float16")
+    assert fp16["compatible"] and fp16["kernel_families"] == {"MarlinLinearKernel": 2, "ExllamaLinearKernel": 12}
+
+
+def test_wider_model_picks_machete_on_hopper_and_marlin_on_ampere(tmp_path):
+    from tests.conftest import make_tiny_model
+
+    src = make_tiny_model(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                          num_key_value_heads=4)
+    out = tmp_path / "w4g128"
+    _quantize(src, out, group=128)
+    assert set(_check(out, "--gpu", "sm_90")["kernel_families"]) == {"MacheteLinearKernel"}
+    assert set(_check(out, "--gpu", "sm_80")["kernel_families"]) == {"MarlinLinearKernel"}
+    # tp=2 on sm_80: o_proj K/2 = 128 (Marlin's k multiple, one group), down K/2 = 256: still Marlin.
+    assert _check(out, "--gpu", "sm_80", "--tp", "2")["compatible"]
+    # tp=4: o_proj K/4 = 64 holds no whole group of 128.
+    report = _check(out, "--gpu", "sm_80", "--tp", "4")
+    assert {"tensor": "model.layers.1.self_attn.o_proj",
+            "reason": "K/tp = 64 is not a multiple of group size 128"} in report["problems"]
+
+
+def test_version_features_and_cpu_limits(tmp_path):
+    from tests.conftest import make_tiny_model
+
+    src = make_tiny_model(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                          num_key_value_heads=4)
+    block = tmp_path / "fp8b"
+    _quantize(src, block, scheme="FP8_BLOCK", method="fp8")
+    old = _check(block, "--gpu", "sm_80", "--vllm-version", "0.14.0")
+    assert [p["tensor"] for p in old["problems"]] == ["quantization_config"]
+    assert "needs vLLM >= 0.15.0" in old["problems"][0]["reason"]
+    assert _check(block, "--gpu", "sm_80", "--vllm-version", "0.16.0")["compatible"]
+    assert _check(block, "--gpu", "sm_90")["kernel_families"].keys() == {"CutlassFp8BlockScaledMMKernel"}
+    assert not _check(block, "--gpu", "cpu")["compatible"]  # vLLM lists no FP8 block kernel for CPU
+    asym = tmp_path / "asym"
+    _quantize(src, asym, scheme="W4A16_ASYM", group=128)
+    assert not _check(asym, "--gpu", "sm_80", "--vllm-version", "0.8.5")["compatible"]
+    assert _check(asym, "--gpu", "sm_80")["compatible"]  # Marlin takes zero points
+    cpu = _check(asym, "--gpu", "cpu")
+    assert not cpu["compatible"] and "zero points not supported" in cpu["problems"][0]["reason"]
+
+
+def test_quantize_tp_warnings_use_the_same_split_rules(tiny_models, w4_tiny, tmp_path):
+    summary = _quantize(tiny_models["llama"], tmp_path / "tp4", tp=4)
+    warned = {w["module"] for w in summary["tp_warnings"]}
+    split = {p["tensor"] for p in _check(w4_tiny, "--gpu", "cpu", "--tp", "4")["problems"] if "K/tp" in p["reason"]}
+    assert warned == split == {f"model.layers.{i}.self_attn.o_proj" for i in range(2)}
+
+
+def test_mla_latent_projection_is_replicated_and_moe_experts_are_split():
+    """DeepSeek-V3 in vLLM: kv_a_proj_with_mqa is a ReplicatedLinear (never split), experts' down is row-parallel."""
+    from quantkit.quant.schemes import get_scheme
+    from quantkit.serving.parallel import QuantShape, split_problem
+
+    block = QuantShape.from_scheme(get_scheme("FP8_BLOCK"))
+    # N = 512 + 64 = 576; split 8 ways it would be 72 per rank, not whole blocks: but it is not split.
+    assert split_problem("model.layers.3.self_attn.kv_a_proj_with_mqa", 576, 7168, block, 8) is None
+    assert split_problem("model.layers.3.self_attn.kv_b_proj", 32768, 512, block, 8) is None  # 4096 per rank
+    down = "model.layers.3.mlp.experts.7.down_proj"
+    assert split_problem(down, 7168, 2048, block, 8) is None  # K/tp = 256: two whole blocks
+    assert split_problem(down, 7168, 2048, block, 32) == "K/tp = 64 is not a multiple of the 128x128 block"
+    grouped = QuantShape.from_scheme(get_scheme("W4A16", 128))
+    assert split_problem(down, 7168, 2048, grouped, 32) == "K/tp = 64 is not a multiple of group size 128"
+    assert split_problem("model.layers.3.mlp.experts.7.gate_proj", 2048, 7168, grouped, 32) is None  # N split
+
+
+def test_bad_arguments_are_one_line(w4_tiny, tmp_path):
+    for args, needle in ((["--gpu", "volta"], "unknown --gpu"), (["--tp", "0"], "--tp and --pp"),
+                         (["--vllm-version", "latest"], "cannot read --vllm-version")):
+        result = runner.invoke(app, ["check-serving", str(w4_tiny), *args])
+        assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    missing = runner.invoke(app, ["check-serving", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2 and "does not exist" in missing.stderr
