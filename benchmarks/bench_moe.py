@@ -58,9 +58,23 @@ def quantize(src: Path, out: Path, method: str, scheme: str, calib: int, seq_len
     if scheme == "W4A16":
         r.quantization.group_size = 32  # the experts' 96-wide down_proj takes whole groups of 32, not 64
     r.calibration.num_samples, r.calibration.seq_len = calib, seq_len
-    t = time.time()
+    manifest = out / "quantkit_manifest.json"
+    if manifest.is_file():
+        # A finished checkpoint of the same recipe from an earlier (interrupted) run of this script is reused.
+        m = json.loads(manifest.read_text())
+        want, have = r.to_dict()["calibration"], dict(m["recipe"]["calibration"])
+        if method in ("rtn", "fp8"):
+            # Data-free: the sample count only sizes the error measurement (at most error_samples blocks).
+            have["num_samples"] = want["num_samples"] = min(want["num_samples"], want["error_samples"])
+            m["recipe"]["calibration"]["num_samples"] = min(m["recipe"]["calibration"]["num_samples"],
+                                                            have["error_samples"])
+            have["num_samples"] = m["recipe"]["calibration"]["num_samples"]
+        if m["recipe"]["quantization"] == r.to_dict()["quantization"] and have == want:
+            return {"seconds": m["wall_seconds"], "bits_per_weight": m.get("bits_per_weight"),
+                    "events": len(m.get("events", [])), "routing_profile": (out / "routing_profile.json").is_file(),
+                    "reused": True}
     s = quantize_model(r, out, overwrite=True)
-    return {"seconds": round(time.time() - t, 1), "bits_per_weight": s.get("bits_per_weight"),
+    return {"seconds": round(s["wall_seconds"], 1), "bits_per_weight": s.get("bits_per_weight"),
             "events": len(s.get("events", [])), "routing_profile": bool(s.get("routing_profile"))}
 
 
@@ -68,7 +82,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--calib-samples", type=int, default=16)
+    ap.add_argument("--calib-samples", type=int, default=16, help="calibration blocks of the MoEfication")
+    ap.add_argument("--quant-samples", type=int, default=16, help="calibration blocks of the quantisers")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-samples", type=int, default=4)
     ap.add_argument("--moe-samples", type=int, default=2)
@@ -86,7 +101,7 @@ def main() -> None:
     moe, made = make_moe(args.work, args.experts, args.top_k, args.calib_samples, args.seq_len)
     quant = {}
     for name, method, scheme in METHODS:
-        quant[name] = quantize(moe, args.work / name, method, scheme, args.calib_samples, args.seq_len)
+        quant[name] = quantize(moe, args.work / name, method, scheme, args.quant_samples, args.seq_len)
         print(f"quantised {name}: {quant[name]}", flush=True)
     light = MoEEvalOptions(capacity_factors=(1.25,), policies=("drop",), samples=args.moe_samples, offload_runs=())
     run_q = run_eval(EvalOptions(checkpoints=[args.work / n for n, _, _ in METHODS], baseline=str(moe),
@@ -121,7 +136,9 @@ def render(p: dict, args) -> str:
     lines = [f"# MoE benchmark: SmolLM2-135M MoEfied to {e} experts top-{k} (qwen3_moe layout)", "",
              f"CPU capability `{p['cpu_capability']}`; load average before {p['load_average']['before'][0]:.1f}, "
              f"after {p['load_average']['after'][0]:.1f} (2 cores shared); wall {p['wall_seconds']} s; calibration "
-             f"{args.calib_samples} x {args.seq_len} KJV tokens, eval {args.eval_samples} x {args.seq_len} held-out.", "",
+             f"{args.calib_samples} x {args.seq_len} KJV tokens (MoEfication), {args.quant_samples} x {args.seq_len} "
+             f"(quantisers), eval {args.eval_samples} x {args.seq_len} held-out, routing studies on the first "
+             f"{args.moe_samples}.", "",
              "## The MoE against the dense model", ""]
     ev = p["moe"].get("eval", {}).get("runs", {})
     lines += ["| routing | KL vs dense | top-1 agreement |", "|---|---|---|"]
