@@ -199,33 +199,35 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
     hidden, calls = capture_layer_inputs(setup.handle, ids, setup.batch_size, device, compute_dtype)
     capture = time.perf_counter() - began
     plan = setup.plans[0]
-    began = time.perf_counter()
-    layer = setup.handle.materialize_layer(0, compute_dtype, device)
-    materialize = time.perf_counter() - began
-    ctx = layer_context(setup.handle, plan, layer, setup.scheme, setup.weight_dtype, compute_dtype, autocast)
-    inputs, outputs = ActivationStore(), ActivationStore()
-    for j, h in enumerate(hidden):
-        inputs[j] = h
     element = hidden[0].element_size()
-    del hidden
-    # One untimed forward first: the process's first matmuls of these shapes pay one-time costs (kernel
-    # selection, lazy initialisation) that the real run pays once, not once per layer.
-    from quantkit.pipeline.capture import run_layer
-
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        run_layer(layer, inputs[0], calls[0][0])
-    timings: dict = {}
-    # Fresh method instances: a method keeps per-run state (counters, options resolved on first use).
+    # Layer 0 twice, timing the second: the process's first matmuls and scale searches of these shapes pay
+    # one-time costs (kernel selection, lazy initialisation) that a real run pays once, not once per layer.
+    # Each pass materialises the layer afresh and uses fresh method instances (methods keep per-run state).
     from quantkit.methods import build_methods
 
     q = setup.recipe.quantization
-    methods = build_methods(q.method, setup.scheme, q.options)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        process_layer(layer, ctx, methods, inputs, outputs, calls, len(calls), timings=timings)
-    began = time.perf_counter()
-    for t in plan.targets:
-        pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, setup.weight_dtype, ctx.input_scales.get(t.local))
-    pack = time.perf_counter() - began
+    layer = ctx = inputs = outputs = None
+    for _ in range(2):
+        layer = ctx = inputs = outputs = None  # the previous pass's layer is not part of this one's memory
+        release_freed_memory()
+        hwm = HighWaterMark()
+        began = time.perf_counter()
+        layer = setup.handle.materialize_layer(0, compute_dtype, device)
+        materialize = time.perf_counter() - began
+        ctx = layer_context(setup.handle, plan, layer, setup.scheme, setup.weight_dtype, compute_dtype, autocast)
+        inputs, outputs = ActivationStore(), ActivationStore()
+        for j, h in enumerate(hidden):
+            inputs[j] = h
+        timings: dict = {}
+        methods = build_methods(q.method, setup.scheme, q.options)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            process_layer(layer, ctx, methods, inputs, outputs, calls, len(calls), timings=timings)
+        began = time.perf_counter()
+        for t in plan.targets:
+            pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, setup.weight_dtype,
+                           ctx.input_scales.get(t.local))
+        pack = time.perf_counter() - began
+    del hidden
     peak = hwm.peak()
     del layer, ctx, inputs, outputs
     release_freed_memory()
