@@ -31,6 +31,8 @@ from torch import nn
 
 from quantkit.errors import InputError
 from quantkit.models.experts import UnfusedExperts
+from quantkit.runtime import dispatch
+from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS
 from quantkit.runtime.linear import QuantLinear
 
 POLICIES = ("lru", "lfu", "trace")
@@ -70,12 +72,17 @@ class OffloadStats:
                 "prefetch_fidelity": round(self.predicted_right / self.predicted, 4) if self.predicted else None}
 
 
-def _expert_tensors(module: nn.Module, prefix: str) -> list[tuple[str, str, str, bool]]:
-    """(child path, leaf, checkpoint name, is_param) of every tensor an expert module holds."""
+def _expert_tensors(module: nn.Module, prefix: str, index) -> list[tuple[str, str, str, bool]]:
+    """(child path, leaf, checkpoint name, is_param) of every tensor an expert module is built from. A prepared
+    QuantLinear holds its kernel's tensors, not the checkpoint's, so its stored names are looked up instead."""
     out = []
     for name, child in module.named_modules():
         own = [(leaf, True) for leaf, p in child._parameters.items() if p is not None]
-        own += [(leaf, False) for leaf, b in child._buffers.items() if b is not None]
+        if isinstance(child, QuantLinear):
+            base = f"{prefix}.{name}" if name else prefix
+            own += [(leaf, False) for leaf in (*WEIGHT_TENSORS, *INPUT_TENSORS) if f"{base}.{leaf}" in index]
+        else:
+            own += [(leaf, False) for leaf, b in child._buffers.items() if b is not None]
         for leaf, is_param in own:
             out.append((name, leaf, f"{prefix}.{name}.{leaf}" if name else f"{prefix}.{leaf}", is_param))
     return out
@@ -132,7 +139,7 @@ class ExpertCache:
             full = module_name[id(experts)]  # e.g. model.layers.3.mlp.experts
             for e, module in enumerate(experts.experts):
                 prefix = _disk_prefix(adapter, full, e)
-                entries = _expert_tensors(module, prefix)
+                entries = _expert_tensors(module, prefix, index)
                 for _, _, ckpt, _ in entries:
                     if ckpt not in index:
                         raise InputError(f"{rt.path}: expert tensor {ckpt} is not in the checkpoint")
@@ -172,6 +179,9 @@ class ExpertCache:
             else:
                 t = t.to(self.dtype) if t.is_floating_point() else t
                 child._parameters[leaf] = nn.Parameter(t.to(self.device), requires_grad=False)
+        for child in module.modules():
+            if isinstance(child, QuantLinear) and getattr(child, "_offload_kernels", False):
+                dispatch.prepare_layer(child, "auto")  # the kernel the resident model chose, re-prepared
         return module.eval()
 
     def _load(self, layer: int, expert: int, demand: bool, count: bool = True) -> nn.Module:
@@ -283,8 +293,10 @@ def _stripped(module: nn.Module, entries) -> nn.Module:
             child._parameters[leaf] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
         else:
             child._buffers[leaf] = None
+    for child in module.modules():
         if isinstance(child, QuantLinear):
-            child._dense.clear()
+            child._offload_kernels = child.kernel is not None
+            child.kernel, child.prepared = None, None  # the kernel's tensors go with the checkpoint's
     return module
 
 

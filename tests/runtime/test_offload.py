@@ -95,3 +95,13 @@ def test_draft_prefetch_predicts_and_raises_the_hit_rate(tiny_models):
     assert rates[True]["prefetch_fidelity"] is not None and rates[True]["prefetch_fidelity"] > 2 / 4
     assert rates[True]["prefetch_loads"] > 0
     assert rates[True]["hit_rate"] > rates[False]["hit_rate"]
+
+
+def test_offloaded_quantised_experts_give_back_their_kernel_tensors(quantised):
+    # A prepared QuantLinear holds its kernel's tensors, not the checkpoint's: offloading must drop those too.
+    rt = load_model(quantised)
+    before = rt.resident_weight_bytes
+    cache = install_offload(rt, OffloadOptions(2, "lru"))
+    assert rt.resident_weight_bytes < before
+    for template in cache.templates.values():
+        assert all(m.prepared is None for m in template.modules() if hasattr(m, "prepared"))
