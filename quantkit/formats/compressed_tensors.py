@@ -1,72 +1,33 @@
-"""The compressed-tensors checkpoint layout (what vLLM and transformers load).
-
-pack-quantized (W4A16, W8A16): per linear `weight_packed` int32 [out, ceil(in*bits/32)], `weight_scale`
-[out, n_groups] in the model dtype, `weight_shape` int64 [2], `weight_zero_point` int32
-[ceil(out*bits/32), n_groups] (asymmetric only, packed along the output dim), `weight_g_idx` int32 [in]
-(act-order "group" only). The config matches what the compressed-tensors package's models dump.
+"""The compressed-tensors checkpoint a quantisation run writes: each linear's tensors (laid out by its format's
+compressor in `quantkit.formats.compressors`, which the runtime reads back with) and config.json's
+`quantization_config`, which matches what the compressed-tensors package's models dump.
 """
 
 from __future__ import annotations
 
 import torch
 
+from quantkit.formats.compressors import compressor_for
 from quantkit.formats.safetensors_writer import TensorSpec
 from quantkit.methods.base import QuantizedWeight
-from quantkit.quant import pack_int32, packed_columns
 from quantkit.quant.schemes import Scheme
 
 
 def quantized_specs(name: str, out_features: int, in_features: int, scheme: Scheme, dtype: torch.dtype,
                     with_g_idx: bool = False) -> list[TensorSpec]:
     """Tensors a quantised linear `name` (checkpoint module name) occupies on disk."""
-    args = scheme.weights
-    if scheme.format == "pack-quantized":
-        groups = args.num_groups(in_features)
-        specs = [
-            TensorSpec(f"{name}.weight_packed", torch.int32, (out_features, packed_columns(in_features, args.num_bits))),
-            TensorSpec(f"{name}.weight_scale", dtype, (out_features, groups)),
-            TensorSpec(f"{name}.weight_shape", torch.int64, (2,)),
-        ]
-        if not args.symmetric:
-            specs.append(TensorSpec(f"{name}.weight_zero_point", torch.int32,
-                                    (packed_columns(out_features, args.num_bits), groups)))
-        if with_g_idx:
-            specs.append(TensorSpec(f"{name}.weight_g_idx", torch.int32, (in_features,)))
-        return specs
-    # int-quantized / float-quantized: the values themselves, one byte each
-    value_dtype = torch.float8_e4m3fn if args.type == "float" else torch.int8
-    scale_shape = {"tensor": (1,), "channel": (out_features, 1)}.get(args.strategy)
-    if args.strategy == "block":
-        bh, bw = args.block
-        scale_shape = (-(-out_features // bh), -(-in_features // bw))
-    specs = [TensorSpec(f"{name}.weight", value_dtype, (out_features, in_features)),
-             TensorSpec(f"{name}.weight_scale", dtype, scale_shape)]
-    if scheme.static_activations:
-        specs.append(TensorSpec(f"{name}.input_scale", dtype, (1,)))
-    return specs
+    specs = compressor_for(scheme.format).specs(scheme.weights, out_features, in_features, dtype,
+                                                scheme.input_activations, g_idx=with_g_idx)
+    return [TensorSpec(f"{name}.{leaf}", d, shape) for leaf, (d, shape) in specs.items()]
 
 
 def pack_quantized(name: str, result: QuantizedWeight, scheme: Scheme, dtype: torch.dtype,
                    input_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The on-disk tensors of one quantised linear, matching `quantized_specs`."""
-    args = scheme.weights
-    out_features, in_features = result.q.shape
-    if scheme.format != "pack-quantized":
-        tensors = {f"{name}.weight": result.q.contiguous(), f"{name}.weight_scale": result.scale.to(dtype).contiguous()}
-        if scheme.static_activations:
-            tensors[f"{name}.input_scale"] = input_scale.reshape(1).to(dtype)
-        return tensors
-    tensors = {
-        f"{name}.weight_packed": pack_int32(result.q.to(torch.int8), args.num_bits),
-        f"{name}.weight_scale": result.scale.reshape(out_features, -1).to(dtype),
-        f"{name}.weight_shape": torch.tensor([out_features, in_features], dtype=torch.int64),
-    }
-    if not args.symmetric:
-        zp = result.zero_point.reshape(out_features, -1).to(torch.int8)
-        tensors[f"{name}.weight_zero_point"] = pack_int32(zp, args.num_bits, packed_dim=0)
-    if result.g_idx is not None:
-        tensors[f"{name}.weight_g_idx"] = result.g_idx.to(torch.int32)
-    return tensors
+    tensors = compressor_for(scheme.format).compress(
+        scheme.weights, result.q, result.scale, dtype, zero_point=result.zero_point, g_idx=result.g_idx,
+        input_scale=input_scale if scheme.static_activations else None)
+    return {f"{name}.{leaf}": t for leaf, t in tensors.items()}
 
 
 def _weight_args(scheme: Scheme, actorder: str | None) -> dict:

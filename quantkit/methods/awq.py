@@ -58,9 +58,10 @@ from torch import nn
 
 from quantkit.errors import InputError
 from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
-from quantkit.quant import QuantArgs, compute_qparams, group_view, quantize_weight
-from quantkit.quant.integer import SEARCH_CHUNK
-from quantkit.quant.smoothing import ResolvedSmoothing, expand_gqa, resolve_mappings
+from quantkit.quant import QuantArgs, compute_qparams, fake_quantize, group_view, quantize_weight
+from quantkit.quant.integer import SEARCH_CHUNK, round_to_dtype
+from quantkit.quant.smoothing import (ResolvedSmoothing, expand_gqa, fold_into_norm, resolve_mappings, scale_columns,
+                                      scale_rows)
 
 CLIP_SKIP = (r"(.*\.)?(q_proj|k_proj|q_a_proj|q_b_proj|query|key|Wqkv|qkv_proj)",)
 
@@ -101,33 +102,18 @@ class AWQConfig:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x if dtype == torch.float32 else x.to(dtype).float()
-
-
-def fake_quant(w: torch.Tensor, args: QuantArgs, dtype: torch.dtype) -> torch.Tensor:
-    """Round-to-nearest quantise-dequantise of fp32 w [out, in] as the checkpoint stores it (scale rounded to
-    `dtype`, the dequantised value rounded to `dtype` as a consumer computes it). Returns fp32."""
-    g = group_view(w, args)
-    scale, zp = compute_qparams(g.amin(-1), g.amax(-1), args)
-    scale = round_to(scale, dtype)[..., None]
-    zpf = zp.float()[..., None]
-    q = torch.round(g / scale + zpf).clamp_(args.qmin, args.qmax)
-    return round_to((q - zpf) * scale, dtype).reshape(w.shape)
-
-
 def scaled_fake_quant(w: torch.Tensor, c: torch.Tensor, args: QuantArgs, dtype: torch.dtype,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """fake_quant(w * c) / c for column scales c [in], written into `out` (any dtype; default fp32). Works in
+    """fake_quantize(w * c) / c for column scales c [in], written into `out` (any dtype; default fp32). Works in
     row chunks whose temporaries stay small and under the engine's mmap threshold (measured: unchunked, with a
     1 MB threshold, most of the time went to page-faulting fresh mappings)."""
     out = torch.empty_like(w) if out is None else out
     if args.strategy == "tensor":  # one scale for the whole matrix: no row chunking
-        out.copy_(fake_quant(w * c[None, :], args, dtype) / c[None, :])
+        out.copy_(fake_quantize(w * c[None, :], args, dtype) / c[None, :])
         return out
     step = max(1, SEARCH_CHUNK // w.shape[1])
     for r0 in range(0, w.shape[0], step):
-        out[r0 : r0 + step] = fake_quant(w[r0 : r0 + step] * c[None, :], args, dtype) / c[None, :]
+        out[r0 : r0 + step] = fake_quantize(w[r0 : r0 + step] * c[None, :], args, dtype) / c[None, :]
     return out
 
 
@@ -191,10 +177,10 @@ def clip_search(w: torch.Tensor, h: torch.Tensor, args: QuantArgs, dtype: torch.
         best = torch.full(g.shape[:2], float("inf"), device=w.device)
         for p in steps:
             scale, zp = compute_qparams(lo * p, hi * p, args)
-            scale = round_to(scale, dtype)[..., None]
+            scale = round_to_dtype(scale, dtype)[..., None]
             zpf = zp.float()[..., None]
             q = torch.round(g / scale + zpf).clamp_(args.qmin, args.qmax)
-            d = (g - round_to((q - zpf) * scale, dtype)).transpose(0, 1)  # [ng, rows, gs]
+            d = (g - round_to_dtype((q - zpf) * scale, dtype)).transpose(0, 1)  # [ng, rows, gs]
             err = ((d @ hg) * d).sum(-1).transpose(0, 1)
             better = err < best
             best = torch.where(better, err, best)
@@ -480,27 +466,27 @@ class AWQ(Method):
             if m.kind in ("norm", "gemma_norm"):
                 w = source.weight.data.float()
                 off = 1.0 if m.kind == "gemma_norm" else 0.0
-                new = round_to((w + off) / s - off, dtype)
+                new = round_to_dtype(fold_into_norm(w, s, gemma=off == 1.0), dtype)
                 # The scale the stored (rounded) norm weight really applies: compensate exactly that.
                 denom = new + off
                 s = torch.where(denom != 0, (w + off) / torch.where(denom != 0, denom, torch.ones_like(denom)), s)
                 source.weight.data.copy_(new.to(source.weight.dtype))
             elif m.source in work:
-                work[m.source] /= s[:, None]
+                work[m.source] = scale_rows(work[m.source], s)
                 source.weight.data.copy_(work[m.source].to(source.weight.dtype))
             else:
-                source.weight.data.copy_((source.weight.data.float() / s[:, None]).to(source.weight.dtype))
+                source.weight.data.copy_(scale_rows(source.weight.data, s).to(source.weight.dtype))
             bias = getattr(source, "bias", None)
             if isinstance(bias, torch.Tensor):
                 bias.data.copy_((bias.data.float() / s).to(bias.dtype))
             for t in m.targets:
                 c = cols_for(s, t)
                 if t in work:
-                    work[t] *= c[None, :]
+                    work[t] = scale_columns(work[t], c)
                     modules[t].weight.data.copy_(work[t].to(modules[t].weight.dtype))
                 else:  # routers and other readers that are not quantised
                     tw = modules[t].weight
-                    tw.data.copy_((tw.data.float() * c[None, :]).to(tw.dtype))
+                    tw.data.copy_(scale_columns(tw.data, c).to(tw.dtype))
         return s
 
     def _quantize(self, ctx: LayerContext, name: str, w: torch.Tensor, rescale: dict) -> None:

@@ -1,7 +1,7 @@
 """Numerics shared by every method and the runtime."""
 
+from quantkit.quant.args import QuantArgs
 from quantkit.quant.integer import (
-    QuantArgs,
     compute_qparams,
     dequantize,
     dequantize_weight,

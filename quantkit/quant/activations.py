@@ -6,8 +6,7 @@ group of the last dimension or per tensor, or the stored static `input_scale`; q
 scale [+ zp])) for int, a cast to float8_e4m3fn for fp8; dequantised as (q [- zp]) * scale. This matches
 compressed-tensors' fake-quantisation bit for bit.
 
-`args` is anything with type, num_bits, symmetric, strategy, group_size, dynamic, qmin, qmax and half_range:
-the pipeline's `quant.schemes.ActivationArgs` or the runtime's `formats.TensorArgs`.
+`args` is the input activations' `QuantArgs` (a scheme's, or one read from a checkpoint's config).
 """
 
 from __future__ import annotations
@@ -15,10 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from quantkit.quant.args import QuantArgs
 from quantkit.quant.fp8 import scale_from_absmax
 
 
-def _dynamic_scale(x: torch.Tensor, args) -> torch.Tensor:
+def _dynamic_scale(x: torch.Tensor, args: QuantArgs) -> torch.Tensor:
     if args.strategy == "token":
         absmax = x.abs().amax(dim=-1, keepdim=True)
     elif args.strategy == "group":
@@ -30,7 +30,7 @@ def _dynamic_scale(x: torch.Tensor, args) -> torch.Tensor:
     return scale_from_absmax(absmax, args.half_range)
 
 
-def activation_codes(x: torch.Tensor, args, input_scale: torch.Tensor | None = None,
+def activation_codes(x: torch.Tensor, args: QuantArgs, input_scale: torch.Tensor | None = None,
                      input_zero_point: torch.Tensor | None = None):
     """The quantised activations before dequantisation: (q, scale, zp).
 
@@ -55,7 +55,7 @@ def activation_codes(x: torch.Tensor, args, input_scale: torch.Tensor | None = N
     return q, scale, zp
 
 
-def quantize_activation(x: torch.Tensor, args, input_scale: torch.Tensor | None = None,
+def quantize_activation(x: torch.Tensor, args: QuantArgs, input_scale: torch.Tensor | None = None,
                         input_zero_point: torch.Tensor | None = None) -> torch.Tensor:
     """Fake-quantise activations (quantise then dequantise) in x's dtype."""
     shape = x.shape

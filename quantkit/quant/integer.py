@@ -8,50 +8,15 @@ Dequantisation is (q - zp) * scale. Quantised values live in the signed range [-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from quantkit.quant.args import QuantArgs
 
 
 # Elements per chunk of an elementwise search loop: temporaries of 512 KB stay in cache and under the engine's
 # mmap threshold (above it each temporary is a fresh mapping that page-faults on every use: measured 4x slower
 # for the MSE scale search of a SmolLM2 layer with 1M-element chunks and a 1 MB threshold).
 SEARCH_CHUNK = 1 << 17
-
-
-@dataclass(frozen=True)
-class QuantArgs:
-    """How a weight is quantised (the weight half of a compressed-tensors QuantizationArgs)."""
-
-    num_bits: int = 4
-    symmetric: bool = True
-    strategy: str = "group"  # "tensor" | "channel" | "group" | "block" (float only)
-    group_size: int | None = 128
-    type: str = "int"  # "int" | "float" (fp8 e4m3)
-    block: tuple[int, int] | None = None  # [rows, cols] of a weight block, for strategy "block"
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_bits <= 8:
-            raise ValueError(f"num_bits must be in 1..8, got {self.num_bits}")
-        if self.strategy not in ("tensor", "channel", "group", "block"):
-            raise ValueError(f"unknown strategy {self.strategy!r}")
-        if self.strategy == "group" and (self.group_size is None or self.group_size <= 0):
-            raise ValueError("group strategy needs a positive group_size")
-        if self.strategy == "block" and (self.type != "float" or self.block is None):
-            raise ValueError("block strategy is for float weights and needs a block shape")
-
-    @property
-    def qmin(self) -> int:
-        return -(1 << (self.num_bits - 1))
-
-    @property
-    def qmax(self) -> int:
-        return (1 << (self.num_bits - 1)) - 1
-
-    def num_groups(self, in_features: int) -> int:
-        if self.strategy == "group":
-            return -(-in_features // self.group_size)
-        return 1
 
 
 def group_view(weight: torch.Tensor, args: QuantArgs) -> torch.Tensor:
@@ -148,10 +113,17 @@ def dequantize_weight(
     return x.reshape(q.shape).to(dtype)
 
 
-def fake_quantize(weight: torch.Tensor, args: QuantArgs) -> torch.Tensor:
-    """Quantise-dequantise round trip in the weight's dtype (what a consumer computes with)."""
-    q, scale, zp = quantize_weight(weight, args)
-    return dequantize_weight(q, scale, zp, args, weight.dtype)
+def fake_quantize(weight: torch.Tensor, args: QuantArgs, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Round-to-nearest quantise-dequantise as a checkpoint stores the weight and a consumer computes with it:
+    the scale rounded to `dtype` (the checkpoint's; default the weight's) before the values are rounded, the
+    dequantised value rounded to `dtype` again. Computed in fp32, returned in the weight's dtype."""
+    dtype = dtype or weight.dtype
+    g = group_view(weight.float(), args)
+    scale, zp = compute_qparams(g.amin(-1), g.amax(-1), args)
+    scale = round_to_dtype(scale, dtype)[..., None]
+    zpf = zp.float()[..., None]
+    q = torch.round(g / scale + zpf).clamp_(args.qmin, args.qmax)
+    return round_to_dtype((q - zpf) * scale, dtype).reshape(weight.shape).to(weight.dtype)
 
 
 def dequantize_weight_args(

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from quantkit.quant.fp8 import dequantize_fp8, expand_block_scale, quantize_fp8_weight
-from quantkit.quant.integer import QuantArgs, dequantize_weight_args, quantize_weight
+from quantkit.quant.args import QuantArgs
+from quantkit.quant.integer import dequantize_weight_args, quantize_weight
 
 
 def quantize_any(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -12,44 +12,23 @@ import re
 from dataclasses import dataclass
 
 from quantkit.errors import InputError
+from quantkit.formats.compressors import COMPRESSORS, Compressor, compressor_for
+from quantkit.quant.args import QuantArgs
 
-SUPPORTED_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
+SUPPORTED_FORMATS = tuple(COMPRESSORS)
 WEIGHT_TENSORS = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
 INPUT_TENSORS = ("input_scale", "input_zero_point")
 
 
 @dataclass(frozen=True)
-class TensorArgs:
-    """Quantisation arguments of one tensor (weights or input activations) of a config group."""
-
-    type: str = "int"  # "int" | "float"
-    num_bits: int = 8
-    symmetric: bool = True
-    strategy: str = "tensor"  # tensor | channel | group | block | token
-    group_size: int | None = None
-    block_structure: tuple[int, int] | None = None
-    dynamic: bool = False
-    actorder: str | None = None
-
-    @property
-    def qmin(self) -> float:
-        return -448.0 if self.type == "float" else float(-(1 << (self.num_bits - 1)))
-
-    @property
-    def qmax(self) -> float:
-        return 448.0 if self.type == "float" else float((1 << (self.num_bits - 1)) - 1)
-
-    @property
-    def half_range(self) -> float:
-        """(qmax - qmin) / 2, the symmetric scale divisor (int8: 127.5, fp8 e4m3: 448)."""
-        return (self.qmax - self.qmin) / 2
-
-
-@dataclass(frozen=True)
 class LinearFormat:
     format: str
-    weights: TensorArgs
-    input: TensorArgs | None = None
+    weights: QuantArgs
+    input: QuantArgs | None = None
+
+    @property
+    def compressor(self) -> Compressor:
+        return compressor_for(self.format)
 
     @property
     def kind(self) -> str:
@@ -83,7 +62,7 @@ class QuantConfig:
         return by_class
 
 
-def _args(raw: dict | None, where: str, activation: bool) -> TensorArgs | None:
+def _args(raw: dict | None, where: str, activation: bool) -> QuantArgs | None:
     if raw is None:
         return None
     kind = raw.get("type", "int")
@@ -102,11 +81,20 @@ def _args(raw: dict | None, where: str, activation: bool) -> TensorArgs | None:
         raise InputError(f"{where}: strategy {strategy!r} is not supported by quantkit's runtime")
     block = raw.get("block_structure")
     actorder = raw.get("actorder")
-    return TensorArgs(
-        type=kind, num_bits=bits, symmetric=bool(raw.get("symmetric", True)), strategy=strategy,
-        group_size=raw.get("group_size"), block_structure=tuple(block) if block else None,
-        dynamic=bool(dynamic), actorder=str(actorder) if actorder not in (None, False) else None,
-    )
+    group_size = raw.get("group_size")
+    if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+        raise InputError(f"{where}: group strategy with group_size {group_size!r} (a positive number is needed)")
+    if strategy == "block" and not (isinstance(block, (list, tuple)) and len(block) == 2
+                                    and all(isinstance(b, int) and b > 0 for b in block)):
+        raise InputError(f"{where}: block strategy with block_structure {block!r} (a [rows, cols] pair is needed)")
+    try:
+        return QuantArgs(
+            type=kind, num_bits=bits, symmetric=bool(raw.get("symmetric", True)), strategy=strategy,
+            group_size=group_size, block=tuple(block) if block else None, dynamic=bool(dynamic),
+            actorder=str(actorder) if actorder not in (None, False) else None,
+        )
+    except ValueError as exc:
+        raise InputError(f"{where}: {exc}") from None
 
 
 def parse_quantization_config(qc: dict, where: str) -> QuantConfig:

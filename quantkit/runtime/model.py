@@ -206,10 +206,8 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
             raise InputError(f"{path}: {ckpt} has quantised tensors but no quantization_config group targets it")
         tensors = {t: _read(index, f"{ckpt}.{t}", device) for t in (*WEIGHT_TENSORS, *INPUT_TENSORS)
                    if f"{ckpt}.{t}" in index}
-        if fmt.format == "pack-quantized" and "weight_packed" not in tensors:
-            raise InputError(f"{path}: {ckpt} is pack-quantized but has no weight_packed tensor")
-        if fmt.format != "pack-quantized" and "weight" not in tensors:
-            raise InputError(f"{path}: {ckpt} is {fmt.format} but has no weight tensor")
+        if fmt.compressor.values_tensor not in tensors:
+            raise InputError(f"{path}: {ckpt} is {fmt.format} but has no {fmt.compressor.values_tensor} tensor")
         if fmt.input is not None and not fmt.input.dynamic and "input_scale" not in tensors:
             raise InputError(f"{path}: {ckpt} has static activation quantisation but no input_scale")
         check_linear_tensors(str(path), ckpt, fmt, tensors, module.in_features, module.out_features)

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from quantkit.quant.activations import _dynamic_scale, quantize_activation  # noqa: F401  (re-exported)
 from quantkit.quant.fp8 import expand_block_scale
 from quantkit.quant.integer import dequantize
-from quantkit.quant.packing import unpack_int32
-from quantkit.runtime.formats import TensorArgs
+from quantkit.quant.args import QuantArgs
 
 # Dense weight elements one reference call materialises at most (64 MB in fp32). Below it the whole weight is
 # dequantised at once, so the product is bit-identical to a consumer multiplying by the dense weight.
@@ -32,7 +31,7 @@ def _rows(layer, rows: Rows) -> tuple[int, int]:
     return (0, layer.out_features) if rows is None else rows
 
 
-def _column_index(layer, args: TensorArgs) -> torch.Tensor:
+def _column_index(layer, args: QuantArgs) -> torch.Tensor:
     g_idx = getattr(layer, "weight_g_idx", None)
     if g_idx is not None:
         return g_idx.long()
@@ -40,39 +39,33 @@ def _column_index(layer, args: TensorArgs) -> torch.Tensor:
     return cols // args.group_size
 
 
-def _expand(params: torch.Tensor, layer, args: TensorArgs, rows: Rows = None) -> torch.Tensor:
+def _expand(params: torch.Tensor, layer, args: QuantArgs, rows: Rows = None) -> torch.Tensor:
     """Per-group / per-block parameters of output rows [r0, r1) -> broadcastable against their [r1-r0, in] weight."""
     r0, r1 = _rows(layer, rows)
     if args.strategy == "group":
         return params[r0:r1, _column_index(layer, args)]
     if args.strategy == "block":
-        bh = args.block_structure[0]
+        bh = args.block[0]
         b0, b1 = r0 // bh, -(-r1 // bh)
-        full = expand_block_scale(params[b0:b1], ((b1 - b0) * bh, layer.in_features), args.block_structure)
+        full = expand_block_scale(params[b0:b1], ((b1 - b0) * bh, layer.in_features), args.block)
         return full[r0 - b0 * bh : r1 - b0 * bh]
     if args.strategy == "tensor":
         return params.reshape(1, 1)
     return params.reshape(-1, 1)[r0:r1]  # channel: [out, 1]
 
 
+def _stored(layer) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in layer.named_buffers(recurse=False) if t is not None}
+
+
 def integer_weight(layer, rows: Rows = None) -> torch.Tensor:
-    """The stored integer (or fp8) weight values [out, in] (output rows [r0, r1)), unpacked."""
-    args = layer.fmt.weights
-    r0, r1 = _rows(layer, rows)
-    if layer.fmt.format == "pack-quantized":
-        return unpack_int32(layer.weight_packed[r0:r1], args.num_bits, layer.in_features)
-    return layer.weight[r0:r1]
+    """The stored integer (or fp8) weight values [out, in] (output rows [r0, r1)), unpacked by the format."""
+    return layer.fmt.compressor.values(_stored(layer), layer.fmt.weights, layer.in_features, rows)
 
 
 def zero_point(layer) -> torch.Tensor | None:
-    zp = getattr(layer, "weight_zero_point", None)
-    args = layer.fmt.weights
-    if zp is None or args.symmetric:
-        return None
-    if layer.fmt.format == "pack-quantized":
-        # Packed along the output dimension: [ceil(out*bits/32), n_groups] int32.
-        zp = unpack_int32(zp.to(torch.int32), args.num_bits, layer.out_features, packed_dim=0)
-    return zp
+    """Zero points in the scale's layout (int8), or None when symmetric."""
+    return layer.fmt.compressor.zero_point(_stored(layer), layer.fmt.weights, layer.out_features)
 
 
 def dequantize_weight(layer, dtype: torch.dtype | None = None, rows: Rows = None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.quant.packing import packed_columns
+from quantkit.formats.compressors import scale_shape
 from quantkit.runtime.formats import LinearFormat
 
 
@@ -18,17 +18,13 @@ def _shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def expected_scale_shape(fmt: LinearFormat, n: int, k: int) -> tuple[int, ...] | None:
     """The stored weight_scale shape; None where only the element count is fixed (tensor: one scale)."""
-    w = fmt.weights
-    if w.strategy == "group":
-        return (n, -(-k // w.group_size))
-    if w.strategy == "channel":
-        return (n, 1)
-    if w.strategy == "block":
-        bh, bw = w.block_structure
-        return (-(-n // bh), -(-k // bw))
-    return None
+    return None if fmt.weights.strategy == "tensor" else scale_shape(fmt.weights, n, k)
 
 
 def check_linear_tensors(where: str, name: str, fmt: LinearFormat, tensors: dict[str, torch.Tensor],
@@ -39,29 +35,23 @@ def check_linear_tensors(where: str, name: str, fmt: LinearFormat, tensors: dict
     def bad(tensor: str, message: str) -> None:
         raise QuantkitError(f"{where}: {name}.{tensor} {message}", exit_code=1)
 
-    if w.strategy == "group" and not (w.group_size and w.group_size > 0):
-        bad("weight_scale", "belongs to a group-quantised config without a positive group_size")
-    if w.strategy == "block" and not (w.block_structure and len(w.block_structure) == 2 and min(w.block_structure) > 0):
-        bad("weight_scale", "belongs to a block-quantised config without a [rows, cols] block_structure")
+    compressor = fmt.compressor
     shape = tensors.get("weight_shape")
     if shape is not None:
         got = [int(v) for v in shape.flatten().tolist()]
         if got != [n, k]:
             bad("weight_shape", f"is {got} but the model config makes this linear [{n}, {k}]")
-    if fmt.format == "pack-quantized":
-        p = tensors["weight_packed"]
-        want = [n, packed_columns(k, w.num_bits)]
-        if p.dtype != torch.int32 or _shape(p) != want:
-            bad("weight_packed", f"is {str(p.dtype).replace('torch.', '')} {_shape(p)} but {n} x {k} {w.num_bits}-bit "
-                f"values pack into int32 {want}")
-    else:
-        t = tensors["weight"]
-        dtypes = (torch.float8_e4m3fn,) if w.type == "float" else (torch.int8,)
-        if _shape(t) != [n, k]:
-            bad("weight", f"has shape {_shape(t)} but the model config makes this linear [{n}, {k}]")
-        if t.dtype not in dtypes:
-            bad("weight", f"is {str(t.dtype).replace('torch.', '')} but {fmt.format} {w.type} weights are "
-                f"{str(dtypes[0]).replace('torch.', '')}")
+    values = compressor.values_tensor
+    t = tensors[values]
+    dtype, want = compressor.value_spec(w, n, k)
+    if t.dtype != dtype or tuple(t.shape) != want:
+        if values == "weight_packed":
+            bad(values, f"is {_name(t.dtype)} {_shape(t)} but {n} x {k} {w.num_bits}-bit values pack into "
+                f"{_name(dtype)} {list(want)}")
+        elif tuple(t.shape) != want:
+            bad(values, f"has shape {_shape(t)} but the model config makes this linear [{n}, {k}]")
+        else:
+            bad(values, f"is {_name(t.dtype)} but {fmt.format} {w.type} weights are {_name(dtype)}")
     scale = tensors["weight_scale"]
     want_scale = expected_scale_shape(fmt, n, k)
     if want_scale is None:
@@ -72,7 +62,7 @@ def check_linear_tensors(where: str, name: str, fmt: LinearFormat, tensors: dict
         bad("weight_scale", f"has shape {_shape(scale)} but {w.strategy} scales of a [{n}, {k}] weight ({what}) "
             f"are {list(want_scale)}")
     if not scale.is_floating_point():
-        bad("weight_scale", f"is {str(scale.dtype).replace('torch.', '')}, not a floating-point tensor")
+        bad("weight_scale", f"is {_name(scale.dtype)}, not a floating-point tensor")
     zp = tensors.get("weight_zero_point")
     if not w.symmetric:
         if zp is None:
@@ -80,9 +70,8 @@ def check_linear_tensors(where: str, name: str, fmt: LinearFormat, tensors: dict
         if want_scale is None:  # tensor-wise: one zero point, however it is stored
             ok, want_zp = zp.numel() == 1, [1]
         else:
-            rows, cols = scale.shape[0], (scale.shape[1] if scale.dim() == 2 else 1)
-            # pack-quantized packs zero points along the output dimension: ceil(rows * bits / 32) words per column.
-            want_zp = [packed_columns(rows, w.num_bits), cols] if fmt.format == "pack-quantized" else _shape(scale)
+            # As the format stores them (pack-quantized packs them along the output dimension).
+            want_zp = list(compressor.zero_point_spec(w, tuple(scale.shape))[1])
             ok = _shape(zp) == want_zp
         if not ok:
             bad("weight_zero_point", f"has shape {_shape(zp)} but zero points for weight_scale {_shape(scale)} are "

@@ -71,7 +71,7 @@ class QuantShape:
     def from_format(cls, fmt) -> "QuantShape":
         """From a parsed compressed-tensors config group (quantkit.runtime.formats.LinearFormat)."""
         w, a = fmt.weights, fmt.input
-        return cls(w.strategy, w.group_size, tuple(w.block_structure) if w.block_structure else None,
+        return cls(w.strategy, w.group_size, tuple(w.block) if w.block else None,
                    a.group_size if a is not None and a.strategy == "group" else None)
 
 

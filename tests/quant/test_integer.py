@@ -75,3 +75,14 @@ def test_scheme_errors():
     with pytest.raises(InputError, match="invalid group size"):
         get_scheme("W4A16", 0)
     assert get_scheme("w4a16", -1).weights.strategy == "channel"
+
+
+def test_fake_quantize_in_a_checkpoint_dtype_matches_the_stored_values():
+    # What AWQ's search scores must be what the checkpoint holds: scale and dequantised value rounded to bf16.
+    from quantkit.quant.weights import dequantize_any, quantize_any
+
+    w = torch.randn(16, 64)
+    for args in (QuantArgs(4, True, "group", 32), QuantArgs(4, False, "group", 32), QuantArgs(8, True, "channel", None)):
+        q, scale, zp = quantize_any(w, args, torch.bfloat16)
+        ref = dequantize_any(q, scale, zp, args).to(torch.bfloat16).float()
+        torch.testing.assert_close(fake_quantize(w, args, torch.bfloat16), ref, rtol=0, atol=0)

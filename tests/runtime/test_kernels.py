@@ -11,23 +11,24 @@ from quantkit.quant import QuantArgs, pack_int32, quantize_weight
 from quantkit.quant.activations import quantize_activation
 from quantkit.quant.fp8 import quantize_fp8_weight
 from quantkit.runtime import dispatch, load_model, reference
-from quantkit.runtime.formats import LinearFormat, TensorArgs
+from quantkit.quant.args import QuantArgs
+from quantkit.runtime.formats import LinearFormat
 from quantkit.runtime.linear import QuantLinear
 
-TOKEN_INT8 = TensorArgs("int", 8, True, "token", dynamic=True)
-TENSOR_INT8 = TensorArgs("int", 8, True, "tensor", dynamic=False)
-TENSOR_INT8_ASYM = TensorArgs("int", 8, False, "tensor", dynamic=False)
-GROUP_INT8 = TensorArgs("int", 8, True, "group", 32, dynamic=True)
-TOKEN_FP8 = TensorArgs("float", 8, True, "token", dynamic=True)
-TENSOR_FP8 = TensorArgs("float", 8, True, "tensor", dynamic=False)
-GROUP_FP8 = TensorArgs("float", 8, True, "group", 128, dynamic=True)
+TOKEN_INT8 = QuantArgs(num_bits=8, strategy="token", dynamic=True)
+TENSOR_INT8 = QuantArgs(num_bits=8, strategy="tensor")
+TENSOR_INT8_ASYM = QuantArgs(num_bits=8, symmetric=False, strategy="tensor")
+GROUP_INT8 = QuantArgs(num_bits=8, group_size=32, dynamic=True)
+TOKEN_FP8 = QuantArgs(num_bits=8, strategy="token", type="float", dynamic=True)
+TENSOR_FP8 = QuantArgs(num_bits=8, strategy="tensor", type="float")
+GROUP_FP8 = QuantArgs(num_bits=8, type="float", dynamic=True)
 
 
 def _calibration(k: int, dtype) -> torch.Tensor:
     return (torch.randn(64, k, generator=torch.Generator().manual_seed(99)) * 2).to(dtype)
 
 
-def _static_inputs(act: TensorArgs, k: int, dtype) -> dict:
+def _static_inputs(act: QuantArgs, k: int, dtype) -> dict:
     """input_scale (and zero point) from a calibration batch, as a static checkpoint stores them."""
     x = _calibration(k, torch.float32)
     if act.symmetric:
@@ -66,8 +67,8 @@ def int_layer(n, k, bits, symmetric, group=None, act_order=False, fmt="pack-quan
         t["weight_g_idx"] = (inv // group).to(torch.int32)
     if act is not None and not act.dynamic:
         t.update(_static_inputs(act, k, dtype))
-    lf = LinearFormat(fmt, TensorArgs("int", bits, symmetric, strategy, group, actorder="group" if act_order else None),
-                      act)
+    lf = LinearFormat(fmt, QuantArgs(num_bits=bits, symmetric=symmetric, strategy=strategy, group_size=group,
+                                     actorder="group" if act_order else None), act)
     bias = torch.randn(n, generator=gen).to(dtype)
     return QuantLinear(lf, t, k, n, bias, dtype)
 
@@ -80,8 +81,7 @@ def fp8_layer(n, k, strategy, act, *, dtype, seed=0) -> QuantLinear:
     t = {"weight": q, "weight_scale": scale if strategy != "tensor" else scale.reshape(1)}
     if act is not None and not act.dynamic:
         t.update(_static_inputs(act, k, dtype))
-    lf = LinearFormat("float-quantized", TensorArgs("float", 8, True, strategy,
-                                                    block_structure=(128, 128) if strategy == "block" else None), act)
+    lf = LinearFormat("float-quantized", QuantArgs(num_bits=8, strategy=strategy, type="float", block=(128, 128)), act)
     return QuantLinear(lf, t, k, n, None, dtype)
 
 

@@ -12,7 +12,8 @@ from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 
 from quantkit.quant import QuantArgs, pack_int32, quantize_weight
 from quantkit.runtime import dispatch, reference
-from quantkit.runtime.formats import LinearFormat, TensorArgs
+from quantkit.quant.args import QuantArgs
+from quantkit.runtime.formats import LinearFormat
 from quantkit.runtime.linear import QuantLinear
 
 
@@ -25,7 +26,8 @@ def _packed_layer(w, bits, symmetric, group, g_idx=None, dtype=torch.bfloat16):
         tensors["weight_zero_point"] = pack_int32(zp.reshape(w.shape[0], -1).to(torch.int8), bits, packed_dim=0)
     if g_idx is not None:
         tensors["weight_g_idx"] = g_idx.to(torch.int32)
-    fmt = LinearFormat("pack-quantized", TensorArgs("int", bits, symmetric, "group" if group else "channel", group))
+    fmt = LinearFormat("pack-quantized", QuantArgs(num_bits=bits, symmetric=symmetric,
+                                                   strategy="group" if group else "channel", group_size=group))
     return QuantLinear(fmt, tensors, w.shape[1], w.shape[0]), q, scale.reshape(w.shape[0], -1), zp.reshape(w.shape[0], -1)
 
 
@@ -71,7 +73,7 @@ def test_dynamic_activation_quant_matches_compressed_tensors(kind, strategy, gro
     ct = _ct_args(num_bits=8, type=kind, strategy=strategy, group_size=group, dynamic=True)
     scale, zp = compute_dynamic_scales_and_zp(x, ct, module=None)
     expected = fake_quantize(x, scale, zp, ct)
-    mine = TensorArgs(kind, 8, True, strategy, group, dynamic=True)
+    mine = QuantArgs(num_bits=8, strategy=strategy, group_size=group, type=kind, dynamic=True)
     assert torch.equal(reference.quantize_activation(x, mine), expected)
 
 
@@ -79,7 +81,7 @@ def test_ragged_activation_group_is_quantised_on_its_own():
     # K = 576 with 1x128 groups (SmolLM2's hidden size): four full groups and a last one of 64 columns.
     x = (torch.randn(2, 3, 576, generator=torch.Generator().manual_seed(6)) * 3).to(torch.bfloat16)
     x[0, 1, 550] = 60.0  # an outlier in the ragged group must not leak into the full groups
-    got = reference.quantize_activation(x, TensorArgs("float", 8, True, "group", 128, dynamic=True))
+    got = reference.quantize_activation(x, QuantArgs(num_bits=8, type="float", dynamic=True))
     assert got.shape == x.shape
     ct = _ct_args(num_bits=8, type="float", strategy="token", dynamic=True)
     for start in range(0, 576, 128):
@@ -94,13 +96,13 @@ def test_static_activation_quant_matches_compressed_tensors(kind):
     input_scale = torch.tensor([0.0123], dtype=torch.bfloat16)
     ct = _ct_args(num_bits=8, type=kind, strategy="tensor", dynamic=False)
     expected = fake_quantize(x, input_scale, torch.zeros(1, dtype=torch.int8 if kind == "int" else torch.bfloat16), ct)
-    got = reference.quantize_activation(x, TensorArgs(kind, 8, True, "tensor"), input_scale)
+    got = reference.quantize_activation(x, QuantArgs(num_bits=8, strategy="tensor", type=kind), input_scale)
     assert torch.equal(got, expected)
 
 
 def test_int8_activation_quant_against_a_plain_loop():
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    got = reference.quantize_activation(x, TensorArgs("int", 8, True, "token", dynamic=True))
+    got = reference.quantize_activation(x, QuantArgs(num_bits=8, strategy="token", dynamic=True))
     for r in range(4):
         s = x[r].abs().max() / 127.5  # bf16 arithmetic, as the consumer computes
         for c in range(32):

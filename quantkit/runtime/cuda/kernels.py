@@ -152,7 +152,7 @@ class Fp8BlockKernel:
         w, a = fmt.weights, fmt.input
         if fmt.format != "float-quantized" or w.type != "float" or w.strategy != "block":
             return False
-        if tuple(w.block_structure or ()) != (128, 128) or a is None or a.type != "float":
+        if tuple(w.block or ()) != (128, 128) or a is None or a.type != "float":
             return False
         if not a.dynamic or a.strategy != "group" or a.group_size != 128:
             return False

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from quantkit.quant.packing import pack_int32
-from quantkit.runtime.formats import LinearFormat, TensorArgs
+from quantkit.quant.args import QuantArgs
+from quantkit.runtime.formats import LinearFormat
 from quantkit.runtime.linear import QuantLinear
 
 
@@ -30,18 +31,18 @@ def make_layer(kind: str, n: int, k: int, dev, *, sym=True, strategy="group", gr
             t["weight_zero_point"] = pack_int32(torch.randint(lo, hi, (n, ng), **r).to(torch.int8), bits, packed_dim=0)
         if actorder:
             t["weight_g_idx"] = (torch.randperm(k, **r) // group).to(torch.int32)
-        fmt = LinearFormat("pack-quantized", TensorArgs("int", bits, sym, strategy, group if strategy == "group" else None,
+        fmt = LinearFormat("pack-quantized", QuantArgs(num_bits=bits, symmetric=sym, strategy=strategy, group_size=group,
                                                         actorder="group" if actorder else None))
     elif kind == "int8":
         t = {"weight": torch.randint(-128, 128, (n, k), **r).to(torch.int8),
              "weight_scale": (torch.rand(n, 1, **r) * 0.002 + 1e-4).to(scale_dtype)}
-        fmt = LinearFormat("int-quantized", TensorArgs("int", 8, True, "channel"),
-                           TensorArgs("int", 8, True, "token", dynamic=True))
+        fmt = LinearFormat("int-quantized", QuantArgs(num_bits=8, strategy="channel"),
+                           QuantArgs(num_bits=8, strategy="token", dynamic=True))
     elif kind == "fp8":
         t = {"weight": (torch.randn(n, k, **r) * 100).clamp(-448, 448).to(torch.float8_e4m3fn),
              "weight_scale": (torch.rand(-(-n // 128), -(-k // 128), **r) * 1e-3 + 1e-5).to(scale_dtype)}
-        fmt = LinearFormat("float-quantized", TensorArgs("float", 8, True, "block", block_structure=(128, 128)),
-                           TensorArgs("float", 8, True, "group", group_size=128, dynamic=True))
+        fmt = LinearFormat("float-quantized", QuantArgs(num_bits=8, strategy="block", type="float", block=(128, 128)),
+                           QuantArgs(num_bits=8, type="float", dynamic=True))
     else:
         raise ValueError(kind)
     layer = QuantLinear(fmt, {key: v.to(dev) for key, v in t.items()}, k, n)

@@ -125,7 +125,7 @@ def scale_grid(layer) -> tuple[torch.Tensor, int, int]:
     if args.strategy == "channel":
         return scale.reshape(n, 1), k, 1
     if args.strategy == "block":
-        bh, bw = args.block_structure
+        bh, bw = args.block
         return scale.reshape(-(-n // bh), -(-k // bw)), bw, bh
     return scale.reshape(1, 1), k, n
 

@@ -117,7 +117,7 @@ class DequantKernel:
             return False
         if w.type == "int" and w.num_bits not in (4, 8):
             return False
-        if w.strategy == "block" and not w.block_structure:
+        if w.strategy == "block" and not w.block:
             return False
         return extension() is not None
 

@@ -44,10 +44,10 @@ def quantized_activations(model, bits: int):
     """Every linear inside the decoder layers sees its input fake-quantised per token to `bits`-bit symmetric
     integers (absmax scale, as the consumers' dynamic per-token activation quantisation does); the weights and
     the cache are untouched. The LM head keeps full-precision inputs (QSPEC quantises the decoder's linears)."""
-    from quantkit.runtime.formats import TensorArgs
+    from quantkit.quant.args import QuantArgs
     from quantkit.runtime.reference import quantize_activation
 
-    args = TensorArgs(type="int", num_bits=bits, symmetric=True, strategy="token", dynamic=True)
+    args = QuantArgs(num_bits=bits, strategy="token", dynamic=True)
     net = _network(model)
     head = net.get_output_embeddings()
 

@@ -196,7 +196,7 @@ def test_tree_mask(emulate):
 def test_activation_quant_kernels_bit_exact(emulate, dtype, kind, k):
     """The quantisation kernels' codes and scales reproduce reference.quantize_activation exactly (K = 300: a
     ragged last group of 44 for fp8; a zero token; an outlier)."""
-    from quantkit.runtime.formats import TensorArgs
+    from quantkit.quant.args import QuantArgs
     from quantkit.runtime.reference import quantize_activation
 
     m = 6
@@ -209,13 +209,13 @@ def test_activation_quant_kernels_bit_exact(emulate, dtype, kind, k):
         q, s = torch.empty(m, k, dtype=torch.int8), torch.empty(m)
         runtime.launch(f"qk_int8_quant_token_{suf}", (m, 1, 1), (256, 1, 1), x, q, s, m, k)
         fake = (q.to(dtype) * s[:, None].to(dtype)).to(dtype)  # reference: q in x's dtype times its scale
-        args = TensorArgs("int", 8, True, "token", dynamic=True)
+        args = QuantArgs(num_bits=8, strategy="token", dynamic=True)
     else:
         g = -(-k // 128)
         q, s = torch.empty(m, k, dtype=torch.uint8), torch.empty(m, g)
         runtime.launch(f"qk_fp8_quant_group_{suf}", (-(-g // 4), m, 1), (128, 1, 1), x, q, s, m, k)
         scale = s.repeat_interleave(128, dim=1)[:, :k].to(dtype)
         fake = (q.view(torch.float8_e4m3fn).to(dtype) * scale).to(dtype)
-        args = TensorArgs("float", 8, True, "group", group_size=128, dynamic=True)
+        args = QuantArgs(num_bits=8, type="float", dynamic=True)
     ref = quantize_activation(x, args)
     assert torch.equal(fake, ref)

@@ -20,7 +20,7 @@ import torch
 from quantkit.quant.fp8 import expand_block_scale
 from quantkit.quant.integer import dequantize
 from quantkit.quant.packing import pack_int32, unpack_int32
-from quantkit.runtime.formats import TensorArgs
+from quantkit.quant.args import QuantArgs
 from quantkit.runtime.reference import quantize_activation
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -185,8 +185,7 @@ def _activations(dtype, m, k, seed):
 ])
 def test_activation_quant_matches_reference(lib, dtype, kind, strategy, k):
     m = 16
-    args = TensorArgs(type=kind, num_bits=8, symmetric=True, strategy=strategy,
-                      group_size=128 if strategy == "group" else None, dynamic=True)
+    args = QuantArgs(num_bits=8, strategy=strategy, group_size=128, type=kind, dynamic=True)
     x = _activations(dtype, m, k, seed=k)
     ref = quantize_activation(x, args).float()
     xf = x.float().contiguous()

@@ -14,7 +14,8 @@ from quantkit.quant.packing import pack_int32
 from quantkit.runtime import dispatch, reference
 from quantkit.runtime.cuda import kernels as K
 from quantkit.runtime.cuda import runtime
-from quantkit.runtime.formats import LinearFormat, TensorArgs
+from quantkit.quant.args import QuantArgs
+from quantkit.runtime.formats import LinearFormat
 from quantkit.runtime.linear import QuantLinear
 
 
@@ -28,7 +29,7 @@ def fresh_availability():
 def w4a16_layer(n=64, k=128) -> QuantLinear:
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (n, k), generator=g).to(torch.int8)
-    fmt = LinearFormat("pack-quantized", TensorArgs("int", 4, True, "group", 32))
+    fmt = LinearFormat("pack-quantized", QuantArgs(group_size=32))
     tensors = {"weight_packed": pack_int32(q, 4), "weight_scale": torch.rand(n, k // 32, generator=g).to(torch.bfloat16)}
     return QuantLinear(fmt, tensors, k, n)
 
@@ -148,7 +149,7 @@ def test_supports_matches_formats_only():
     assert not K.KERNELS["w4a16"].supports(layer.fmt, cpu, (64, 128))  # right format, no GPU
     assert not K.KERNELS["w8a16"].supports(layer.fmt, torch.device("cuda"), (64, 128))  # wrong bit width
     assert not K.KERNELS["fp8"].supports(layer.fmt, torch.device("cuda"), (64, 128))
-    odd = LinearFormat("pack-quantized", TensorArgs("int", 4, True, "group", 30))
+    odd = LinearFormat("pack-quantized", QuantArgs(group_size=30))
     assert not K.KERNELS["w4a16"].supports(odd, torch.device("cuda"), (64, 120))  # group not a word multiple
 
 
