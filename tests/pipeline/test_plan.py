@@ -45,8 +45,9 @@ def test_plan_holds_to_the_real_run(tmp_path, mid_model, text_file, method, sche
     assert abs(plan["peak_rss_bytes"] - run["peak_rss_bytes"]) <= 0.25 * run["peak_rss_bytes"], (plan, run)
     # Wall time: the setup (libraries, tokenizer, calibration text) is measured, the layers extrapolated from
     # layer 0. On a shared 2-core machine a neighbour's load alone moves a run by tens of percent, so the
-    # bound here is looser than the 25% the quiet-machine benchmark (benchmarks/bench_plan.py) is held to.
-    assert 0.5 * run["wall_seconds"] <= plan["wall_seconds"] <= 2.0 * run["wall_seconds"], (plan, run)
+    # bound here is looser than the 25% the quiet-machine benchmark (benchmarks/bench_plan.py) is held to, and a
+    # second of slack covers runs so short (the data-free fp8 path) that the scheduler decides their ratio.
+    assert 0.5 * run["wall_seconds"] - 1.0 <= plan["wall_seconds"] <= 2.0 * run["wall_seconds"] + 1.0, (plan, run)
 
 
 def test_dry_run_is_the_plan_and_writes_nothing(tmp_path, tiny_models, text_file):
