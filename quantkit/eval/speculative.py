@@ -62,7 +62,12 @@ def load_prompts(source: str, tokenizer, seed: int = 0) -> list[list[int]]:
     path = Path(source)
     if not path.is_file():
         raise InputError(f"prompt file {path} does not exist (or use --prompts builtin)")
-    return [p if isinstance(p, list) else _encode(tokenizer, p) for p in _read_prompt_file(path)]
+    prompts = [p if isinstance(p, list) else _encode(tokenizer, p) for p in _read_prompt_file(path)]
+    vocab = len(tokenizer)
+    for i, p in enumerate(prompts, 1):
+        if max(p) >= vocab:
+            raise InputError(f"{path}: prompt {i} has token id {max(p)}, outside the tokenizer's {vocab} ids")
+    return prompts
 
 
 def _read_prompt_file(path: Path) -> list[str | list[int]]:
