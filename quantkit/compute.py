@@ -27,6 +27,7 @@ import torch
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHOICES = ("auto", "bfloat16", "float32")
+BUSY = 1.0  # load average per core above which a probe is taken again once the machine is quieter
 TIE = 1.10  # a candidate must be this much faster than the model's own dtype to replace it
 FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8",
                      "avx512_vnni", "avx_vnni", "fma")
@@ -143,22 +144,38 @@ def _cache_key(info: CpuInfo, shapes, candidates) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
+def _load_per_core() -> float:
+    try:
+        return os.getloadavg()[0] / max(os.cpu_count() or 1, 1)
+    except OSError:
+        return 0.0
+
+
+def _usable(entry, load_now: float) -> bool:
+    """A cached probe stands unless it was taken on a busy machine (more runnable threads than cores, which
+    skews the dtypes' speeds unevenly) and this one is quieter now."""
+    if not isinstance(entry, dict) or "gflops" not in entry:
+        return False  # an entry without its load (an earlier layout): measure again, it is sub-second
+    return entry.get("load_per_core", 0.0) <= BUSY or load_now >= entry["load_per_core"] - 0.5
+
+
 def _measured(info: CpuInfo, shapes, candidates, measure: Measure, use_cache: bool) -> tuple[dict[str, float], bool]:
     key = _cache_key(info, shapes, candidates)
     path = _cache_file()
     cached: dict = {}
+    load = _load_per_core()
     if use_cache:
         try:
             cached = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             cached = {}
-        if key in cached:
-            return cached[key], True
+        if _usable(cached.get(key), load):
+            return cached[key]["gflops"], True
     if measure is measure_gflops:
         measure(torch.float32, ((PROBE_ROWS, 256, 256),))  # start the thread pool before any figure counts
     speeds = {dtype_name(c): round(measure(c, shapes), 2) for c in candidates}
     if use_cache:
-        cached[key] = speeds
+        cached[key] = {"gflops": speeds, "load_per_core": round(load, 2)}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from quantkit.cli import app
+from quantkit import compute
 from quantkit.compute import choose_compute_dtype, measure_gflops
 from tests.conftest import make_tiny_model
 
@@ -76,6 +77,7 @@ def test_unknown_dtype_is_refused():
 
 def test_measurements_are_cached_per_machine_and_isa_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(compute, "_load_per_core", lambda: 0.2)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     m = fake({torch.bfloat16: 2.0, torch.float32: 270.0})
     first = choose_compute_dtype("auto", torch.bfloat16, "cpu", SHAPES, measure=m)
@@ -134,3 +136,21 @@ def test_cli_refuses_an_unknown_compute_dtype(tmp_path, tiny_models):
                                       "--compute-dtype", "fp64", "--output", str(tmp_path / "o")])
     assert result.exit_code == 2 and "valid: auto, bfloat16, float32" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_a_probe_taken_on_a_busy_machine_is_taken_again_once_it_is_quiet(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path))
+    load = {"now": 4.0}
+    monkeypatch.setattr(compute, "_load_per_core", lambda: load["now"])
+    busy = choose_compute_dtype("auto", torch.bfloat16, "cpu", SHAPES,
+                                measure=fake({torch.bfloat16: 2.0, torch.float32: 9.0}))
+    assert busy.reason == "measured" and busy.dtype == torch.float32
+    # Still as busy: the busy probe is what this machine is like now.
+    assert choose_compute_dtype("auto", torch.bfloat16, "cpu", SHAPES, measure=never).reason == "cached"
+    load["now"] = 0.3
+    quiet = choose_compute_dtype("auto", torch.bfloat16, "cpu", SHAPES,
+                                 measure=fake({torch.bfloat16: 1400.0, torch.float32: 270.0}))
+    assert quiet.reason == "measured" and quiet.dtype == torch.bfloat16
+    # A quiet probe stands from then on, even when the machine is busy again.
+    load["now"] = 4.0
+    assert choose_compute_dtype("auto", torch.bfloat16, "cpu", SHAPES, measure=never).dtype == torch.bfloat16

@@ -283,7 +283,7 @@ class AWQ(Method):
                 self._mappings.append(_Mapping(m, parent=self._block_of(m, modules)))
         hooks = []
         for name, linear in ctx.targets.items():
-            hooks.append(linear.register_forward_pre_hook(self._input_hook(name)))
+            hooks.append(linear.register_forward_pre_hook(self._input_hook(ctx, name)))
         for mp in self._mappings:
             if mp.parent is not None:
                 hooks.append(modules[mp.parent].register_forward_pre_hook(self._sample_hook(mp), with_kwargs=True))
@@ -307,15 +307,16 @@ class AWQ(Method):
         name = ".".join(prefix)
         return name if name and name in modules else None
 
-    def _input_hook(self, name: str):
+    def _input_hook(self, ctx: LayerContext, name: str):
         def hook(module, args):
             x = args[0]
             if self._shared.see(name, x) != name:
                 return
-            if name not in self._stats:
-                src = next((n for t, n in self._norm_outputs if t is x), None)
-                self._stats[name] = _InputStats(source=src)
-            self._stats[name].add(x, with_h=True)
+            with ctx.phase("statistics"):
+                if name not in self._stats:
+                    src = next((n for t, n in self._norm_outputs if t is x), None)
+                    self._stats[name] = _InputStats(source=src)
+                self._stats[name].add(x, with_h=True)
 
         return hook
 
@@ -351,7 +352,8 @@ class AWQ(Method):
                 ctx.warn(name, f"awq: skipped {st.bad_batches} calibration batch(es) with NaN/Inf activations")
         mappings = self._mappings + self._derived(ctx, modules)
         for mp in mappings:
-            self._search_and_fold(ctx, mp, modules, work, rescale)
+            with ctx.phase("scale_search"):
+                self._search_and_fold(ctx, mp, modules, work, rescale)
             mp.samples = []
         if self.only_transform:
             for n, lin in ctx.targets.items():
@@ -506,14 +508,17 @@ class AWQ(Method):
                 h = None
         p = None
         if cfg.clip and h is not None and not any(re.fullmatch(pat, name) for pat in cfg.clip_skip):
-            p = clip_search(w, h, args, dtype, cfg.clip_grid, cfg.clip_max_shrink)
+            with ctx.phase("clip_search"):
+                p = clip_search(w, h, args, dtype, cfg.clip_grid, cfg.clip_max_shrink)
         q, scale, zp = quantize_clipped(w, p, args, dtype)
         result = QuantizedWeight(q, scale.float(), None if args.symmetric else zp, method=self.name)
         ctx.set_quantized(name, result)
         if h is not None:
-            approx = ctx.targets[name].weight.data.float()
-            den = float(((w @ h) * w).sum())
-            ctx.linear_errors[name] = math.sqrt(max(hessian_loss(w, approx, h), 0.0) / den) if den > 0 else 0.0
+            with ctx.phase("error_report"):
+                approx = ctx.targets[name].weight.data.float()
+                den = float(((w @ h) * w).sum())
+                loss = max(hessian_loss(w, approx, h), 0.0)
+            ctx.linear_errors[name] = math.sqrt(loss / den) if den > 0 else 0.0
 
 
 @contextmanager

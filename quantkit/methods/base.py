@@ -7,6 +7,8 @@ in the same pass, apply in order; the last one must quantise every target the ea
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -45,6 +47,17 @@ class LayerContext:
     # What the run's matmuls compute in (quantkit.compute): methods' own products (AWQ's Hessian loss) follow
     # it, since a bf16 product is ~10x faster than fp32 on AMX CPUs and ~30x slower on AVX2-only ones.
     matmul_dtype: torch.dtype = torch.float32
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of this layer (see `phase`)
+
+    @contextmanager
+    def phase(self, name: str):
+        """Time a phase of this layer's work (statistics, factorisation, solve, scale_search, error_report, ...);
+        the seconds add up per name and go to the layer's record in the manifest and --json."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - began
 
     def scheme_for(self, name: str) -> Scheme:
         return self.schemes.get(name, self.scheme)

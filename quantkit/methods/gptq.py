@@ -342,13 +342,15 @@ class GPTQ(Method):
                 x = inputs[0]
                 if self._shared.see(name, x) != name:
                     return
-                if name not in self._sums:
-                    self._sums[name] = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float32, device=x.device)
-                    self._tokens[name] = 0
-                if accumulate_hessian(self._sums[name], x.detach(), mm_dtype):
-                    self._tokens[name] += x.numel() // x.shape[-1]
-                else:
-                    self._bad_batches[name] = self._bad_batches.get(name, 0) + 1
+                with ctx.phase("statistics"):
+                    if name not in self._sums:
+                        self._sums[name] = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float32,
+                                                       device=x.device)
+                        self._tokens[name] = 0
+                    if accumulate_hessian(self._sums[name], x.detach(), mm_dtype):
+                        self._tokens[name] += x.numel() // x.shape[-1]
+                    else:
+                        self._bad_batches[name] = self._bad_batches.get(name, 0) + 1
 
             return fn
 
@@ -434,10 +436,10 @@ class GPTQ(Method):
         return None
 
     def _solve(self, ctx: LayerContext, batch: list[_Problem]) -> None:
-        cfg, args = self.config, self.scheme.weights
         ready = []
         for p in batch:
-            prep = self._prepare(ctx, p)
+            with ctx.phase("factorisation"):
+                prep = self._prepare(ctx, p)
             if prep is None:
                 off = 0
                 for name, r in zip(p.names, p.rows):
@@ -453,7 +455,13 @@ class GPTQ(Method):
         weight = torch.zeros(len(ready), rows, n, device=dev)
         for b, (p, *_rest) in enumerate(ready):
             weight[b, : p.weight.shape[0]] = p.weight
-        result = gptq_solve(
+        with ctx.phase("solve"):
+            result = self._run_solve(ctx, weight, ready)
+        self._keep_or_fall_back(ctx, ready, result)
+
+    def _run_solve(self, ctx: LayerContext, weight: torch.Tensor, ready: list):
+        cfg, args = self.config, self.scheme.weights
+        return gptq_solve(
             weight,
             torch.stack([r[2] for r in ready]),
             torch.stack([r[1] for r in ready]),
@@ -467,6 +475,9 @@ class GPTQ(Method):
             mse_max_shrink=cfg.mse_max_shrink,
             mse_weighting=cfg.mse_weighting,
         )
+
+    def _keep_or_fall_back(self, ctx: LayerContext, ready: list, result) -> None:
+        args = self.scheme.weights
         for b, (p, perm, _u, col_group, damp) in enumerate(ready):
             r_all = p.weight.shape[0]
             q, scale, zp = result.q[b, :r_all], result.scale[b, :r_all], result.zero_point[b, :r_all]
@@ -481,11 +492,12 @@ class GPTQ(Method):
                     continue
                 g_idx = col_group.to(torch.int32) if self.writes_g_idx else None
                 zero_point = None if args.symmetric else zi.round().to(torch.int8)
-                approx = stored_weight(qi, si, zero_point, args, g_idx, ctx.weight_dtype)
-                q_rtn, s_rtn, z_rtn = quantize_weight(w, args, scale_dtype=ctx.weight_dtype)
-                rtn_zp = None if args.symmetric else z_rtn
-                rtn_approx = stored_weight(q_rtn, s_rtn.float(), rtn_zp, args, None, ctx.weight_dtype)
-                err, err_rtn = relative_output_errors(w, [approx, rtn_approx], p.h)
+                with ctx.phase("error_report"):
+                    approx = stored_weight(qi, si, zero_point, args, g_idx, ctx.weight_dtype)
+                    q_rtn, s_rtn, z_rtn = quantize_weight(w, args, scale_dtype=ctx.weight_dtype)
+                    rtn_zp = None if args.symmetric else z_rtn
+                    rtn_approx = stored_weight(q_rtn, s_rtn.float(), rtn_zp, args, None, ctx.weight_dtype)
+                    err, err_rtn = relative_output_errors(w, [approx, rtn_approx], p.h)
                 entry = {"layer": ctx.index, "linear": name, "gptq": err, "rtn": err_rtn, "damp": damp}
                 if err > err_rtn:
                     # Only possible with a degenerate Hessian; the calibration error decides.

@@ -54,11 +54,12 @@ class RTN(Method):
             def fn(module, inputs):
                 if self._shared.see(name, inputs[0]) != name:
                     return
-                x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
-                total = self._square_sums.get(name)
-                sq = x.pow(2).sum(0)
-                self._square_sums[name] = sq if total is None else total + sq
-                self._tokens[name] = self._tokens.get(name, 0) + x.shape[0]
+                with ctx.phase("statistics"):
+                    x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+                    total = self._square_sums.get(name)
+                    sq = x.pow(2).sum(0)
+                    self._square_sums[name] = sq if total is None else total + sq
+                    self._tokens[name] = self._tokens.get(name, 0) + x.shape[0]
 
             return fn
 
@@ -83,7 +84,8 @@ class RTN(Method):
                 importance = self.importance(name) if self.scale_search == "activation" else None
                 if self.scale_search == "activation" and importance is None:
                     ctx.warn(name, "no calibration inputs reached this linear; rtn used the unweighted mse search")
-                scale, zp = mse_weight_qparams(weight, args, ctx.weight_dtype, importance=importance)
+                with ctx.phase("scale_search"):
+                    scale, zp = mse_weight_qparams(weight, args, ctx.weight_dtype, importance=importance)
                 q, scale, zp = quantize_weight(weight, args, scale, zp, scale_dtype=ctx.weight_dtype)
                 result = QuantizedWeight(q, scale.float(), None if args.symmetric else zp, method=self.name)
             else:

@@ -77,9 +77,10 @@ class SmoothQuant(Method):
         hooks = []
         for k, m in enumerate(self._mappings):
             def record(x: torch.Tensor, k=k) -> None:
-                a = channel_absmax(x)
-                prev = self._absmax.get(k)
-                self._absmax[k] = a if prev is None else torch.maximum(prev, a)
+                with ctx.phase("statistics"):
+                    a = channel_absmax(x)
+                    prev = self._absmax.get(k)
+                    self._absmax[k] = a if prev is None else torch.maximum(prev, a)
 
             if m.kind == "linear":
                 # The target's input (after attention / the gated activation), not the source's output.

@@ -250,7 +250,7 @@ def process_layer(
             hooks += [_observe_absmax(ctx, n) for n in observe]
             _set_calibration_mode(layer, needs_stats)
             began = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), ctx.phase("calibration_pass"):
                 for j in range(n_batches):
                     out = run_layer(layer, inputs[j], calls[j][ctx.index])
                     if k == 0:
@@ -262,8 +262,9 @@ def process_layer(
                 h.remove()
             _set_calibration_mode(layer, False)
         began = time.perf_counter()
-        for method in stage:
-            method.apply(ctx)
+        with ctx.phase("apply"):
+            for method in stage:
+                method.apply(ctx)
         timings["apply"] += time.perf_counter() - began
     if ctx.pending():
         raise RunError(f"layer {ctx.index}: {ctx.pending()[0]} was not quantised by {methods[-1].name}")
@@ -277,7 +278,7 @@ def process_layer(
                   for m in layer.modules() if isinstance(m, UnfusedExperts)]
     num = den = 0.0
     began = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), ctx.phase("quantised_pass"):
         for j in range(n_batches):
             reference = outputs[j]
             quantized = run_layer(layer, inputs[j], calls[j][ctx.index])
@@ -294,6 +295,32 @@ def process_layer(
         h.remove()
     ctx.input_scales = input_scales
     return math.sqrt(num / den) if den > 0 else 0.0
+
+
+# Phases a method times inside `apply` (what is left of apply is reported as `method_other`).
+METHOD_PHASES = ("factorisation", "solve", "scale_search", "clip_search", "error_report")
+
+
+def layer_phases(raw: dict[str, float]) -> dict[str, float]:
+    """A layer's seconds per phase, without overlap: statistics hooks run inside the calibration pass, so the pass
+    is reported as `forward` (its own matmuls) plus `statistics`; the methods' named phases run inside `apply`."""
+    out = dict(raw)
+    calib = out.pop("calibration_pass", 0.0)
+    out["forward"] = max(calib - out.get("statistics", 0.0), 0.0) + out.pop("quantised_pass", 0.0)
+    apply = out.pop("apply", 0.0)
+    out["method_other"] = max(apply - sum(out.get(p, 0.0) for p in METHOD_PHASES), 0.0)
+    return {k: round(v, 4) for k, v in sorted(out.items())}
+
+
+def phase_totals(records: list[dict], wall: float) -> dict[str, float]:
+    """Seconds per phase summed over the layers, and `outside_layers`: the rest of the wall time (loading, the
+    calibration set, the first layer's inputs, config and manifest)."""
+    totals: dict[str, float] = {}
+    for r in records:
+        for k, v in r.get("phases", {}).items():
+            totals[k] = totals.get(k, 0.0) + v
+    totals["outside_layers"] = max(wall - sum(r["seconds"] for r in records), 0.0)
+    return {k: round(v, 3) for k, v in sorted(totals.items())}
 
 
 def _routing_counter(layer: nn.Module, handle: ModelHandle):
@@ -583,6 +610,7 @@ def _quantize_locked(recipe: Recipe, output: Path, resume: bool, overwrite: bool
         "quantized_linears": sum(len(p.targets) for p in plans),
         "calibration": calib.describe(),
         "layers": journal.layer_records,
+        "phase_seconds": phase_totals(journal.layer_records, wall),
         "events": journal.events,
         "scheme_overrides": overrides,
         "tp_warnings": shard_warnings,
@@ -716,8 +744,10 @@ def _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journ
         i = plan.index
         if delay:
             time.sleep(delay)
+        began = time.perf_counter()
         layer = handle.materialize_layer(i, compute_dtype, device)
         ctx = layer_context(handle, plan, layer, scheme, weight_dtype, compute_dtype, autocast)
+        ctx.phases["load"] = time.perf_counter() - began
         modules = None
         nxt = ActivationStore(spill / ("b" if current.folder.name == "a" else "a") if spill else None)
         progress.reset(batch_task, total=2 * n_batches, info=f"layer {i}")
@@ -729,27 +759,29 @@ def _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journ
         if counts is not None and counts.tokens:
             journal.routing[str(i)] = {"tokens": counts.tokens, "counts": counts.counts.tolist(),
                                        "coactivation": counts.coactivation.tolist()}
-        for t in plan.targets:
-            for name, tensor in pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, weight_dtype,
-                                               ctx.input_scales.get(t.local)).items():
-                writer.write(name, tensor)
-        params = dict(layer.named_parameters())
-        for local, (ckpt, dtype, _) in plan.kept.items():
-            writer.write(ckpt, params[local].detach().to(dtype))
-        for name in plan.copied:
-            writer.write(name, handle.index.get(name))
-        writer.sync()
+        with ctx.phase("write"):
+            for t in plan.targets:
+                for name, tensor in pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, weight_dtype,
+                                                   ctx.input_scales.get(t.local)).items():
+                    writer.write(name, tensor)
+            params = dict(layer.named_parameters())
+            for local, (ckpt, dtype, _) in plan.kept.items():
+                writer.write(ckpt, params[local].detach().to(dtype))
+            for name in plan.copied:
+                writer.write(name, handle.index.get(name))
+            writer.sync()
         # Persist the activations entering the next layer when the policy says the cost is due, then commit:
         # a kill resumes from the newest saved generation (recomputing any layers after it, same bytes).
         # Only that one generation is kept; the previous one is deleted once the journal names the new one.
         previous = journal.state_layer
         if i + 1 < len(plans) and policy.due():
             began = time.monotonic()
-            journal.state_bytes += nxt.save_to(state_dir / f"gen-{i + 1:05d}", n_batches)
+            with ctx.phase("state_save"):
+                journal.state_bytes += nxt.save_to(state_dir / f"gen-{i + 1:05d}", n_batches)
             policy.saved(began)
             journal.state_layer = i + 1
         record = {"layer": i, "rel_error": rel, "seconds": round(time.time() - t0, 3),
-                  "linear_errors": ctx.linear_errors}
+                  "phases": layer_phases(ctx.phases), "linear_errors": ctx.linear_errors}
         journal.layer_records.append(record)
         journal.events.extend(ctx.events)
         journal.layers_done = i + 1

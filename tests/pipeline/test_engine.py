@@ -289,3 +289,25 @@ def test_deepseek_mtp_block_is_kept_at_source_precision_and_ignored(tmp_path):
     assert "model.layers.1.mlp.experts.0.down_proj.weight_packed" in written  # the decoder is quantised
     model_hf = AutoModelForCausalLM.from_pretrained(out)  # loads, the MTP tensors are unexpected keys only
     assert model_hf is not None
+
+
+@pytest.mark.parametrize("method,named", [("gptq", {"statistics", "factorisation", "solve", "error_report"}),
+                                          ("awq", {"statistics", "scale_search", "error_report"}),
+                                          ("rtn", {"statistics", "scale_search"})])
+def test_every_layer_records_its_phases_without_overlap(tmp_path, tiny_models, method, named):
+    from quantkit.pipeline.engine import quantize_model
+
+    r = _recipe(tiny_models["llama"])
+    r.quantization.method = method
+    summary = quantize_model(r, tmp_path / "out")
+    layers = json.loads((tmp_path / "out" / "quantkit_manifest.json").read_text())["layers"]
+    for rec in layers:
+        phases = rec["phases"]
+        assert named | {"load", "forward", "method_other", "write"} <= set(phases), phases
+        assert all(v >= 0 for v in phases.values())
+        # Phases are disjoint slices of the layer's wall time: together they cannot exceed it.
+        assert sum(phases.values()) <= rec["seconds"] * 1.02 + 0.01, rec
+    totals = summary["phase_seconds"]
+    for k in phases:
+        assert totals[k] == pytest.approx(sum(rec["phases"][k] for rec in layers), abs=2e-3)
+    assert totals["outside_layers"] >= 0
