@@ -47,6 +47,7 @@ from torch import nn
 
 from quantkit.convert.rope import (complex_rows, frequency_rotations, interleave_rows, inv_frequencies,
                                    real_rows)
+from quantkit.convert.output import prepare_output
 from quantkit.errors import InputError, RunError
 
 CONVERTIBLE = ("llama", "mistral", "qwen2")
@@ -477,17 +478,6 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(path, dst / path.name)
 
 
-def _prepare_output(output: Path, overwrite: bool) -> Path:
-    output = Path(output)
-    if output.exists() and not overwrite:
-        raise InputError(f"output {output} exists; pass --overwrite to replace it")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    return partial
-
-
 @torch.no_grad()
 def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: str = "kjv",
                   num_samples: int = 32, seq_len: int = 512, seed: int = 42, overwrite: bool = False,
@@ -528,7 +518,7 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
     announce(compute.describe())
     run_dtype = torch.float32 if compute.autocast else compute.dtype
 
-    partial = _prepare_output(output, overwrite)
+    partial = prepare_output(output, overwrite)
     try:
         writer = PlannedShardWriter(partial, _tensor_specs(dims, cfg, dtype, tied))
         emb = handle.index.get(handle.embedding_path() + ".weight").to(torch.float32) * alpha

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quantkit.convert.output import prepare_output
 from quantkit.errors import InputError
 
 LAYOUTS = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
@@ -424,17 +424,6 @@ def _calibration_inputs(model, ids: torch.Tensor, batch_size: int, want_qk: bool
     return [torch.cat(x) for x in xs], qk
 
 
-def _prepare_output(output: Path, overwrite: bool) -> Path:
-    output = Path(output)
-    if output.exists() and not overwrite:
-        raise InputError(f"output {output} exists; pass --overwrite to replace it")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    return partial
-
-
 @torch.no_grad()
 def moefy_model(source: str | Path | None, output: Path, opts: MoEfyOptions, dataset: str = "kjv",
                 num_samples: int = 16, seq_len: int = 256, calib_seed: int = 42, overwrite: bool = False,
@@ -487,7 +476,7 @@ def moefy_model(source: str | Path | None, output: Path, opts: MoEfyOptions, dat
             tensors[p + "k_norm.weight"] = torch.full((cfg["head_dim"],), wk, dtype=dtype)
             moe.report["qk_norm"] = {"q_scale": sq, "k_scale": sk, "q_norm": wq, "k_norm": wk}
         layers_report.append({"layer": i, **moe.report})
-    partial = _prepare_output(output, overwrite)
+    partial = prepare_output(output, overwrite)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial / "model.safetensors"),
                   metadata={"format": "pt"})
