@@ -14,6 +14,17 @@ from quantkit.runtime import dispatch
 from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS, LinearFormat
 
 
+def dense_parameter(t: torch.Tensor) -> nn.Parameter:
+    """A runtime model's dense (unquantised) tensor as a Parameter.
+
+    Floating tensors require grad, as in transformers' from_pretrained, for speed, not training: ATen's matmul
+    folds a 3-D input into one mm at once when the weight requires grad, and otherwise only when the input's
+    strides allow a view. The last-position slice of a prefill (`logits_to_keep=1`) does not, so matmul falls
+    back to bmm, which copies the whole weight on every call (SmolLM2-sized lm_heads: ~0.7 s instead of ~12 ms).
+    The runtime computes under inference_mode, where nothing is recorded for autograd either way."""
+    return nn.Parameter(t, requires_grad=t.is_floating_point())
+
+
 class QuantLinear(nn.Module):
     def __init__(self, fmt: LinearFormat, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
                  bias: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None):
@@ -23,7 +34,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         for name in (*WEIGHT_TENSORS, *INPUT_TENSORS):
             self.register_buffer(name, tensors.get(name))
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.bias = None if bias is None else dense_parameter(bias)
         # The dtype activations arrive in (kernels pick their layout for it); default: the scales' dtype.
         self.compute_dtype = compute_dtype or tensors["weight_scale"].dtype
         self.kernel = None  # None: the torch reference on the checkpoint tensors

@@ -33,7 +33,7 @@ from quantkit.errors import InputError
 from quantkit.models.experts import UnfusedExperts
 from quantkit.runtime import dispatch
 from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS
-from quantkit.runtime.linear import QuantLinear
+from quantkit.runtime.linear import QuantLinear, dense_parameter
 
 POLICIES = ("lru", "lfu", "trace")
 
@@ -178,7 +178,7 @@ class ExpertCache:
                 child._buffers[leaf] = t.to(self.device)  # quantised tensors as stored, like load_model
             else:
                 t = t.to(self.dtype) if t.is_floating_point() else t
-                child._parameters[leaf] = nn.Parameter(t.to(self.device), requires_grad=False)
+                child._parameters[leaf] = dense_parameter(t.to(self.device))
         for child in module.modules():
             if isinstance(child, QuantLinear) and getattr(child, "_offload_kernels", False):
                 dispatch.prepare_layer(child, "auto")  # the kernel the resident model chose, re-prepared
