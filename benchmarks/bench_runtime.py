@@ -53,7 +53,7 @@ if kind == "transformers":
     extra = {}
 else:
     from quantkit.runtime import load_model
-    rt = load_model(path, kernels=kind)
+    rt = load_model(path, dtype=getattr(torch, os.environ.get("B_DTYPE") or "", None), kernels=kind)
     model = rt
     extra = {"resident_weight_bytes": rt.resident_weight_bytes, "kernels": rt.kernels, "dtype": str(rt.dtype)}
 load_s = time.time() - t0
@@ -62,7 +62,7 @@ from quantkit.eval.throughput import ThroughputConfig, measure_throughput
 vocab = model.config.vocab_size if kind == "transformers" else rt.vocab_size
 cfg = ThroughputConfig(prefill_len=int(os.environ["B_PREFILL"]), prompt_len=int(os.environ["B_PROMPT"]),
                        decode_tokens=int(os.environ["B_DECODE"]), repeats=int(os.environ["B_REPEATS"]))
-tp = measure_throughput(model, vocab, torch.device("cpu"), cfg)
+tp = {} if os.environ.get("B_LOGPROBS_ONLY") else measure_throughput(model, vocab, torch.device("cpu"), cfg)
 out = {"load_s": load_s, "rss_after_load": rss_load, "rss_delta_load": rss_load - rss0, **tp, **extra}
 if os.environ.get("B_TOKENS"):
     from safetensors.torch import load_file
@@ -172,6 +172,28 @@ def kl_between(ref_path: Path, path: Path) -> float:
     return float((a.exp() * (a - b)).sum(-1).mean())
 
 
+def accuracy_rows(path: Path, stem: Path, env: dict, base: Path, runs: dict[str, Path], engines: dict) -> dict:
+    """KL of each run's logits against the exact reference (the torch reference in fp64) and against the dense
+    model, plus the reference in fp32: how far float rounding alone moves the reference itself (the floor any
+    kernel that is not bit-identical to it sits on; large where activations are quantised, since a rounding
+    difference flips int8 / fp8 codes, and those flips compound over the layers)."""
+    exact, ref32 = Path(f"{stem}-exact.pt"), Path(f"{stem}-ref-fp32.pt")
+    only = {**env, "B_LOGPROBS_ONLY": "1"}
+    bad = child([str(QK_PY), "-c", CHILD, "reference", str(path)], {**only, "B_DTYPE": "float64", "B_LOGPROBS": str(exact)})
+    if "error" in bad:
+        return {"quantkit reference fp64": bad}
+    extra = {"quantkit reference fp32": child([str(QK_PY), "-c", CHILD, "reference", str(path)],
+                                              {**only, "B_DTYPE": "float32", "B_LOGPROBS": str(ref32)})}
+    for engine, lp in {**runs, "quantkit reference fp32": ref32}.items():
+        res = extra.get(engine, engines.get(engine, {}))
+        if "error" in res or not lp.is_file():
+            continue
+        res["kl_vs_exact"], res["kl_vs_base"] = kl_between(exact, lp), kl_between(base, lp)
+        if engine == "quantkit":
+            res["kl_vs_reference"] = kl_between(runs["quantkit reference"], lp)
+    return extra
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2,llama1b")
@@ -187,7 +209,7 @@ def main() -> None:
 
     tokens = save_tokens(build_token_blocks(tok, "kjv", 4, 256, seed=7, split="heldout").input_ids, args.work / "kl.safetensors")
     env = {"B_PREFILL": str(PREFILL), "B_PROMPT": str(PROMPT), "B_DECODE": str(DECODE), "B_REPEATS": str(REPEATS)}
-    models = {"smollm2": smol}
+    models, base_lp = {"smollm2": smol}, {}
     if "llama1b" in args.models:
         models["llama1b"] = build_llama_1b(ROOT / "benchmarks" / ".work" / "runtime" / "llama-1b-bf16", smol)
     payload = {"cpu": f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs",
@@ -196,6 +218,11 @@ def main() -> None:
     for name, src in models.items():
         if name not in args.models:
             continue
+        if name == "smollm2":  # the dense model in fp32: what "KL vs base" (accuracy) is measured against
+            base_lp[name] = args.work / f"{name}-base-fp32.pt"
+            child([str(QK_PY), "-c", CHILD, "auto", str(src)],
+                  {**env, "B_TOKENS": str(tokens), "B_LOGPROBS": str(base_lp[name]), "B_DTYPE": "float32",
+                   "B_LOGPROBS_ONLY": "1"})
         group = 128 if name == "llama1b" else 64  # SmolLM2's hidden size 576 is not a multiple of 128
         for fmt in args.formats.split(","):
             path = src if fmt == "bf16" else quantize(src, fmt, args.work / f"{name}-{fmt}", group)
@@ -206,8 +233,8 @@ def main() -> None:
             if name == "smollm2" and fmt != "bf16":
                 ref = child([str(QK_PY), "-c", CHILD, "reference", str(path)], {**kenv, "B_LOGPROBS": str(ref_lp)})
                 engines["quantkit reference"] = ref
-                if "error" not in ref and "error" not in engines["quantkit"]:
-                    engines["quantkit"]["kl_vs_reference"] = kl_between(ref_lp, lp)
+                engines.update(accuracy_rows(path, args.work / f"{name}-{fmt}", kenv, base_lp[name],
+                                             {"quantkit": lp, "quantkit reference": ref_lp}, engines))
             if not args.no_transformers:
                 engines["transformers"] = child([str(QK_PY), "-c", CHILD, "transformers", str(path)], env)
             for engine, res in engines.items():
@@ -228,8 +255,8 @@ def markdown(payload: dict) -> str:
     md = ["# Runtime: decode / prefill throughput and memory", "", payload["cpu"],
           f"load average before / after: {payload['load_average_before'][0]:.2f} / {payload['load_average_after'][0]:.2f}",
           f"prefill {PREFILL} tokens, decode {DECODE} tokens after a {PROMPT}-token prompt, best of {REPEATS}", "",
-          "| model | format | engine | decode b1 tok/s | decode b8 tok/s | prefill tok/s | file MB | resident weights / file | RSS after load MB | KL vs reference | kernels |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| model | format | engine | decode b1 tok/s | decode b8 tok/s | prefill tok/s | file MB | resident weights / file | RSS after load MB | KL vs reference | KL vs exact | KL vs base | kernels |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     f = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for r in rows:
         if "error" in r:
@@ -237,11 +264,18 @@ def markdown(payload: dict) -> str:
             continue
         res = r.get("resident_weight_bytes")
         kern = ", ".join(f"{k}: {', '.join(v)}" for k, v in (r.get("kernels") or {}).items())
+        if "decode_tok_s_b1" not in r:  # logits-only row (accuracy)
+            md.append(f"| {r['model']} | {r['format']} | {r['engine']} | - | - | - | {r['file_bytes'] / 1e6:.0f} | - | - | - | "
+                      f"{f(r.get('kl_vs_exact'), 5)} | {f(r.get('kl_vs_base'), 5)} | |")
+            continue
         md.append(f"| {r['model']} | {r['format']} | {r['engine']} | {f(r.get('decode_tok_s_b1'))} | "
                   f"{f(r.get('decode_tok_s_b8'))} | {f(r.get('prefill_tok_s'))} | {r['file_bytes'] / 1e6:.0f} | "
                   f"{f(res / r['file_bytes'], 3) if res else '-'} | {r['rss_after_load'] / 1e6:.0f} | "
-                  f"{f(r.get('kl_vs_reference'), 7) if r.get('kl_vs_reference') is not None else '-'} | {kern} |")
-    md += ["", "Ratios (same run):", ""]
+                  f"{f(r.get('kl_vs_reference'), 5)} | {f(r.get('kl_vs_exact'), 5)} | {f(r.get('kl_vs_base'), 5)} | {kern} |")
+    md += ["", "KL vs reference: the kernels' logits against the torch reference in the checkpoint's dtype; KL vs exact:"
+           " against the reference computed in fp64; KL vs base: against the dense model in fp32 (the accuracy a user"
+           " gets). The `reference fp32` row is the floor: the reference itself, computed in fp32 instead of fp64.",
+           "", "Ratios (same run):", ""]
     by = {(r["model"], r["format"], r["engine"]): r for r in rows if "error" not in r}
     for model in sorted({r["model"] for r in rows}):
         bf16 = by.get((model, "bf16", "quantkit"))
