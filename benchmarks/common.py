@@ -14,23 +14,37 @@ LLMC_PYTHON = ROOT / "benchmarks" / ".venv-llmc" / "bin" / "python"
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def _vm_hwm(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return next((int(ln.split()[1]) * 1024 for ln in fh if ln.startswith("VmHWM:")), None)
+    except OSError:
+        return None
+
+
 def run_measured(cmd: list[str], env: dict | None = None) -> dict:
-    """Run `cmd` as a child; return wall seconds, its peak RSS (bytes, from wait4's rusage) and its output."""
+    """Run `cmd` as a child; return wall seconds, its peak RSS (bytes) and its output.
+
+    The peak is the child's own VmHWM, polled every 20 ms until it exits (the high-water mark only grows, so the
+    last reading misses at most the final 20 ms). wait4's ru_maxrss is not used: Linux carries it over exec,
+    so it reports this (parent) process's size whenever that is larger than the child's peak."""
     import tempfile
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.time()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err,
                                 env={**os.environ, "QUANTKIT_NO_PROGRESS": "1", **(env or {})})
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        peak = 0
+        while proc.poll() is None:
+            peak = max(peak, _vm_hwm(proc.pid) or 0)
+            time.sleep(0.02)
         wall = time.time() - start
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
         sys.stderr.write(stderr[-4000:])
         raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}")
-    return {"wall_s": round(wall, 2), "peak_rss_bytes": usage.ru_maxrss * 1024, "stdout": stdout, "stderr": stderr}
+    return {"wall_s": round(wall, 2), "peak_rss_bytes": peak, "stdout": stdout, "stderr": stderr}
 
 
 def save_tokens(input_ids, path: Path) -> Path:

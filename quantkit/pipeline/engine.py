@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import resource
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from quantkit.models.source import resolve_model
 from quantkit.pipeline.activations import ActivationStore
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
 from quantkit.pipeline.journal import Journal
+from quantkit.pipeline.memory import peak_rss_bytes
 from quantkit.compute import choose_compute_dtype, matmul_shapes
 from quantkit.progress import announce, progress_bar
 from quantkit.quant.schemes import Scheme, block_fallback, get_scheme
@@ -198,10 +198,6 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
         pass
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _set_calibration_mode(layer: nn.Module, on: bool) -> None:
@@ -605,7 +601,7 @@ def _quantize_locked(recipe: Recipe, output: Path, resume: bool, overwrite: bool
         "compute_dtype": compute.name + (" (bf16 autocast)" if autocast else ""),
         "compute": compute.to_dict(),
         "wall_seconds": round(wall, 3),
-        "peak_rss_bytes": _peak_rss(),
+        "peak_rss_bytes": peak_rss_bytes(),
         "original_bytes": handle.index.total_bytes(),
         "quantized_linears": sum(len(p.targets) for p in plans),
         "calibration": calib.describe(),

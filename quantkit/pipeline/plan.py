@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import InputError
+from quantkit.pipeline.memory import HighWaterMark, peak_rss_bytes
 from quantkit.recipe import Recipe
 
 MANIFEST_SLACK = 1 << 20
@@ -104,47 +105,6 @@ def check_disk_space(output: Path, output_bytes: int, offload_dir: Path | None =
             raise InputError(f"not enough disk space on {entry['anchor']}: the run needs {fmt_bytes(entry['bytes'])} "
                              f"({', '.join(entry['parts'])}), {fmt_bytes(free)} free")
     return report
-
-
-class HighWaterMark:
-    """Peak resident memory of this process over a stretch of code: Linux resets VmHWM through
-    /proc/self/clear_refs; elsewhere the lifetime peak (ru_maxrss) is the best available (an upper bound)."""
-
-    def __init__(self):
-        self.resettable = False
-        try:
-            with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")
-            self.resettable = True
-        except OSError:
-            pass
-
-    @staticmethod
-    def _status(key: str) -> int | None:
-        try:
-            with open("/proc/self/status") as fh:
-                for line in fh:
-                    if line.startswith(key + ":"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
-
-    def current(self) -> int:
-        value = self._status("VmRSS")
-        if value is None:
-            import psutil
-
-            value = psutil.Process().memory_info().rss
-        return value
-
-    def peak(self) -> int:
-        value = self._status("VmHWM") if self.resettable else None
-        if value is None:
-            import resource
-
-            value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return value
 
 
 def _sha256_rate() -> float:
@@ -246,9 +206,7 @@ def plan_run(opts: PlanOptions) -> dict:
     t0 = time.perf_counter()
     # What this process has peaked at so far (imports, argument parsing): the run pays it too, and the
     # high-water-mark resets below would hide it.
-    import resource
-
-    opts = _with_startup_peak(opts, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    opts = _with_startup_peak(opts, peak_rss_bytes())
     recipe, output = opts.recipe, Path(opts.output)
     q = recipe.quantization
     scheme = get_scheme(q.scheme, q.group_size)

@@ -23,6 +23,7 @@ import torch
 from quantkit.errors import InputError, RunError
 from quantkit.formats.compressed_tensors import pack_quantized, quantized_specs
 from quantkit.formats.safetensors_writer import PlannedShardWriter, TensorSpec
+from quantkit.pipeline.memory import peak_rss_bytes
 from quantkit.methods import Method
 from quantkit.methods.base import QuantizedWeight
 from quantkit.models.adapters import adapter_for
@@ -124,7 +125,6 @@ def prepare_stream(recipe: Recipe, scheme: Scheme, tp: int | None = None) -> Str
 def stream_quantize(recipe: Recipe, output: Path, scheme: Scheme, overwrite: bool = False,
                     max_shard_bytes: int | None = None, tp: int | None = None, threads: int = 2) -> dict:
     from quantkit.pipeline.engine import (
-        _peak_rss,
         finish_output,
         write_config_and_extras,
     )
@@ -165,7 +165,7 @@ def stream_quantize(recipe: Recipe, output: Path, scheme: Scheme, overwrite: boo
             "device": "cpu",
             "compute_dtype": "float32",
             "wall_seconds": round(time.time() - t_start, 3),
-            "peak_rss_bytes": _peak_rss(),
+            "peak_rss_bytes": peak_rss_bytes(),
             "original_bytes": index.total_bytes(),
             "quantized_linears": sum(len(p.targets) for p in plans),
             "calibration": {"data_free": True},
