@@ -45,7 +45,13 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "memory")
     ap.add_argument("--with-llmcompressor", action="store_true", help="also run llm-compressor's RTN on it")
     args = ap.parse_args()
+    import os
+
+    import torch
+
     model = build_model(args.work / "llama-0.7b-fp32")
+    cpu = f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs"
+    load_before = os.getloadavg()[0]
     size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     out = args.work / "quantkit-w4a16"
     shutil.rmtree(out, ignore_errors=True)
@@ -68,14 +74,15 @@ def main() -> None:
                                                      "--group-size", "128", "--output", str(llmc_out),
                                                      "--tokens", str(tokens)])))
     md = ["# Memory scaling: RTN W4A16 g128 on a random 0.7B Llama (fp32)", "",
-          f"model size on disk: {size / 1e9:.2f} GB", "",
+          f"model size on disk: {size / 1e9:.2f} GB", cpu,
+          f"load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}", "",
           "| tool | wall (s) | peak RSS (MB) | peak RSS / model size |", "|---|---|---|---|"]
     md += [f"| {name} | {r['wall_s']:.1f} | {r['peak_rss_bytes'] / 1e6:.0f} | {r['peak_rss_bytes'] / size:.3f} |"
            for name, r in rows]
     if len(rows) == 2:
         md += ["", f"quantkit / llm-compressor peak RSS: {ratio(rows[0][1]['peak_rss_bytes'], rows[1][1]['peak_rss_bytes'])}, "
                    f"wall: {ratio(rows[0][1]['wall_s'], rows[1][1]['wall_s'])}"]
-    write_results("memory_scaling", {"model_bytes": size, **{n: {**r, "stdout": None, "stderr": None} for n, r in rows}},
+    write_results("memory_scaling", {"model_bytes": size, "cpu": cpu, "load_average_before": load_before, **{n: {**r, "stdout": None, "stderr": None} for n, r in rows}},
                   "\n".join(md) + "\n")
 
 
