@@ -1,9 +1,9 @@
-"""Peak memory of `quantkit quantize --method rtn` on a model much larger than one layer.
+"""Peak memory of `quantkit quantize` on a model much larger than one layer.
 
-    .venv/bin/python benchmarks/bench_memory_scaling.py [--with-llmcompressor]
+    .venv/bin/python benchmarks/bench_memory_scaling.py [--method rtn|gptq|awq] [--with-llmcompressor]
 
 Builds (once) a randomly initialised Llama of about 0.7B parameters stored in fp32 (about 2.8 GB of
-safetensors), quantises it to W4A16 g128 and reports peak RSS as a fraction of the model's size on disk.
+safetensors), quantises it to W4A16 g128 (RTN by default) and reports peak RSS as a fraction of the model's size on disk.
 The streaming engine holds one decoder layer and the activations, so the fraction falls as models grow.
 """
 
@@ -43,7 +43,8 @@ def build_model(folder: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "memory")
-    ap.add_argument("--with-llmcompressor", action="store_true", help="also run llm-compressor's RTN on it")
+    ap.add_argument("--method", choices=["rtn", "gptq", "awq"], default="rtn")
+    ap.add_argument("--with-llmcompressor", action="store_true", help="also run llm-compressor's same method on it")
     args = ap.parse_args()
     import os
 
@@ -53,9 +54,9 @@ def main() -> None:
     cpu = f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs"
     load_before = os.getloadavg()[0]
     size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    out = args.work / "quantkit-w4a16"
+    out = args.work / f"quantkit-{args.method}-w4a16"
     shutil.rmtree(out, ignore_errors=True)
-    qk = run_measured([str(ROOT / ".venv" / "bin" / "quantkit"), "quantize", "--model", str(model), "--method", "rtn",
+    qk = run_measured([str(ROOT / ".venv" / "bin" / "quantkit"), "quantize", "--model", str(model), "--method", args.method,
                        "--scheme", "W4A16", "--group-size", "128", "--output", str(out), "--json"])
     rows = [("quantkit", qk)]
     if args.with_llmcompressor:
@@ -64,16 +65,16 @@ def main() -> None:
         sys.path.insert(0, str(ROOT))
         from quantkit.data.calibration import build_token_blocks
 
-        # RTN is data-free in llm-compressor; its runner still takes a token file.
+        # RTN is data-free in llm-compressor; its runner takes a token file all the same.
         tokens = save_tokens(build_token_blocks(AutoTokenizer.from_pretrained(model), "kjv", 8, 512).input_ids,
                              args.work / "tokens.safetensors")
-        llmc_out = args.work / "llmc-w4a16"
+        llmc_out = args.work / f"llmc-{args.method}-w4a16"
         shutil.rmtree(llmc_out, ignore_errors=True)
         rows.append(("llm-compressor", run_measured([str(LLMC_PYTHON), str(ROOT / "benchmarks" / "llmc_runner.py"),
-                                                     "--model", str(model), "--recipe", "rtn", "--scheme", "W4A16",
+                                                     "--model", str(model), "--recipe", args.method, "--scheme", "W4A16",
                                                      "--group-size", "128", "--output", str(llmc_out),
                                                      "--tokens", str(tokens)])))
-    md = ["# Memory scaling: RTN W4A16 g128 on a random 0.7B Llama (fp32)", "",
+    md = [f"# Memory scaling: {args.method.upper()} W4A16 g128 on a random 0.7B Llama (fp32)", "",
           f"model size on disk: {size / 1e9:.2f} GB", cpu,
           f"load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}", "",
           "| tool | wall (s) | peak RSS (MB) | peak RSS / model size |", "|---|---|---|---|"]
@@ -82,7 +83,7 @@ def main() -> None:
     if len(rows) == 2:
         md += ["", f"quantkit / llm-compressor peak RSS: {ratio(rows[0][1]['peak_rss_bytes'], rows[1][1]['peak_rss_bytes'])}, "
                    f"wall: {ratio(rows[0][1]['wall_s'], rows[1][1]['wall_s'])}"]
-    write_results("memory_scaling", {"model_bytes": size, "cpu": cpu, "load_average_before": load_before, **{n: {**r, "stdout": None, "stderr": None} for n, r in rows}},
+    write_results("memory_scaling" if args.method == "rtn" else f"memory_scaling_{args.method}", {"method": args.method, "model_bytes": size, "cpu": cpu, "load_average_before": load_before, **{n: {**r, "stdout": None, "stderr": None} for n, r in rows}},
                   "\n".join(md) + "\n")
 
 

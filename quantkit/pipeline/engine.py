@@ -216,18 +216,22 @@ def process_layer(
     layer: nn.Module,
     ctx: LayerContext,
     methods: list[Method],
-    inputs: ActivationStore,
-    outputs: ActivationStore,
+    acts: ActivationStore,
     calls: list[list[tuple]],
     n_batches: int,
+    error_batches: int,
     on_batch=None,
     on_routing=None,
     timings: dict | None = None,
 ) -> float:
-    """Calibrate, quantise and propagate one layer. Returns the layer's relative output error.
+    """Calibrate, quantise and propagate one layer: `acts` holds the layer's inputs on entry and its quantised
+    outputs (the next layer's inputs) on return, one generation resident, each batch replaced as soon as its
+    output exists. Returns the layer's relative output error, measured on the first `error_batches` batches.
     `on_routing(selected [T, k])` sees the quantised pass's routing of each batch (MoE layers), once per token.
 
-    The first pass gives the reference outputs and the statistics of the first stage of methods. A
+    The first pass gives the statistics of the first stage of methods and the unquantised reference outputs of
+    the error-measuring batches (only those are kept: a reference of every batch would be a second generation
+    of activations, the largest term of a run's memory after the layer itself). A
     calibrating transform (SmoothQuant) changes what later methods see, so the methods after it (GPTQ's
     Hessian, static input scales) get their statistics from another pass over the transformed layer.
     `timings`, when given, accumulates the seconds spent in forward passes and in the methods' apply (what
@@ -238,6 +242,8 @@ def process_layer(
     check_finite_weights(ctx)
     static = [n for n in ctx.targets if ctx.scheme_for(n).static_activations]
     stages = method_stages(methods)
+    error_batches = min(error_batches, n_batches)
+    references: list[torch.Tensor] = []
     for k, stage in enumerate(stages):
         observe = static if k == len(stages) - 1 else []
         needs_stats = any(m.uses_statistics for m in stage) or bool(observe)
@@ -247,10 +253,10 @@ def process_layer(
             _set_calibration_mode(layer, needs_stats)
             began = time.perf_counter()
             with torch.no_grad(), ctx.phase("calibration_pass"):
-                for j in range(n_batches):
-                    out = run_layer(layer, inputs[j], calls[j][ctx.index])
-                    if k == 0:
-                        outputs[j] = out
+                for j in range(n_batches if needs_stats else error_batches):
+                    out = run_layer(layer, acts[j], calls[j][ctx.index])
+                    if k == 0 and j < error_batches:
+                        references.append(out)
                     if on_batch:
                         on_batch()
             timings["forward"] += time.perf_counter() - began
@@ -276,14 +282,16 @@ def process_layer(
     began = time.perf_counter()
     with torch.no_grad(), ctx.phase("quantised_pass"):
         for j in range(n_batches):
-            reference = outputs[j]
-            quantized = run_layer(layer, inputs[j], calls[j][ctx.index])
-            diff = (quantized - reference).double().pow(2).sum().item()
-            if not math.isfinite(diff):  # any NaN/Inf in the quantised output lands here
+            quantized = run_layer(layer, acts[j], calls[j][ctx.index])
+            if j < error_batches:
+                reference = references[j]
+                num += (quantized - reference).double().pow(2).sum().item()
+                den += reference.double().pow(2).sum().item()
+                references[j] = None
+            # Every batch, not only the measured ones: a NaN/Inf anywhere would poison the next layer's statistics.
+            if not bool(torch.isfinite(quantized).all()):
                 raise RunError(f"layer {ctx.index} produced NaN/Inf after quantisation")
-            num += diff
-            den += reference.double().pow(2).sum().item()
-            outputs[j] = quantized
+            acts[j] = quantized
             if on_batch:
                 on_batch()
     timings["forward"] += time.perf_counter() - began
@@ -428,6 +436,11 @@ class RunSetup:
         size = torch.empty((), dtype=dtype or torch.float32).element_size()
         return self.n_samples * self.calib.input_ids.shape[1] * hidden * size
 
+    @property
+    def error_batches(self) -> int:
+        """Batches whose unquantised outputs measure each layer's error (`calibration.error_samples`)."""
+        return max(1, math.ceil(min(self.recipe.calibration.error_samples, self.n_samples) / self.batch_size))
+
     def output_bytes_lower_bound(self) -> int:
         return sum(spec.nbytes for spec in self.specs)
 
@@ -570,7 +583,8 @@ def _quantize_locked(recipe: Recipe, output: Path, resume: bool, overwrite: bool
     spill = Path(offload_dir) if offload_dir else None
     try:
         result = _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, device, writer,
-                             journal, partial, state_dir, spill, weight_dtype, compute_dtype, autocast)
+                             journal, partial, state_dir, spill, weight_dtype, compute_dtype, autocast,
+                             setup.error_batches)
     except OSError as exc:
         _cleanup_on_disk_full(exc, partial)
         raise RunError(f"cannot write {partial}: {exc.strerror or exc}") from None
@@ -678,7 +692,7 @@ def _cleanup_on_disk_full(exc: OSError, partial: Path) -> None:
 
 
 def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, device, writer, journal, partial,
-                state_dir, spill, weight_dtype, compute_dtype, autocast=False) -> None:
+                state_dir, spill, weight_dtype, compute_dtype, autocast=False, error_batches: int = 1) -> None:
     with progress_bar() as progress:
         if not journal.non_layer_done:
             for name in handle.non_layer_checkpoint_names():
@@ -692,13 +706,13 @@ def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, de
             journal.commit(partial)
 
         hidden, calls = capture_layer_inputs(handle, calib.input_ids, batch_size, device, compute_dtype)
-        current = ActivationStore(spill / "a" if spill else None)
+        acts = ActivationStore(spill / "a" if spill else None)
         start = journal.resume_layer()
         if start == 0:
             for j, h in enumerate(hidden):
-                current[j] = h
+                acts[j] = h
         else:
-            current = ActivationStore.load_from(state_dir / f"gen-{start:05d}", n_batches, spill / "a" if spill else None)
+            acts = ActivationStore.load_from(state_dir / f"gen-{start:05d}", n_batches, spill / "a" if spill else None)
         del hidden
         release_freed_memory()
         # Everything alive now (the libraries, the skeleton) outlives the layer loop: keep it out of the
@@ -706,7 +720,7 @@ def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, de
         gc.freeze()
         try:
             _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journal, partial, state_dir,
-                        spill, weight_dtype, compute_dtype, autocast, progress, current, calls, start)
+                        spill, weight_dtype, compute_dtype, autocast, progress, acts, calls, start, error_batches)
         finally:
             gc.unfreeze()
 
@@ -728,7 +742,7 @@ def layer_context(handle: ModelHandle, plan: LayerPlan, layer: nn.Module, scheme
 
 
 def _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journal, partial, state_dir, spill,
-                weight_dtype, compute_dtype, autocast, progress, current, calls, start) -> None:
+                weight_dtype, compute_dtype, autocast, progress, acts, calls, start, error_batches) -> None:
     from quantkit.pipeline.journal import StatePolicy
 
     layer_task = progress.add_task("layers", total=len(plans), completed=start, info="")
@@ -745,11 +759,10 @@ def _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journ
         ctx = layer_context(handle, plan, layer, scheme, weight_dtype, compute_dtype, autocast)
         ctx.phases["load"] = time.perf_counter() - began
         modules = None
-        nxt = ActivationStore(spill / ("b" if current.folder.name == "a" else "a") if spill else None)
         progress.reset(batch_task, total=2 * n_batches, info=f"layer {i}")
         counts = _routing_counter(layer, handle)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            rel = process_layer(layer, ctx, methods, current, nxt, calls, n_batches,
+            rel = process_layer(layer, ctx, methods, acts, calls, n_batches, error_batches,
                                 on_batch=lambda: progress.advance(batch_task),
                                 on_routing=counts.add if counts is not None else None)
         if counts is not None and counts.tokens:
@@ -773,7 +786,7 @@ def _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journ
         if i + 1 < len(plans) and policy.due():
             began = time.monotonic()
             with ctx.phase("state_save"):
-                journal.state_bytes += nxt.save_to(state_dir / f"gen-{i + 1:05d}", n_batches)
+                journal.state_bytes += acts.save_to(state_dir / f"gen-{i + 1:05d}", n_batches)
             policy.saved(began)
             journal.state_layer = i + 1
         record = {"layer": i, "rel_error": rel, "seconds": round(time.time() - t0, 3),
@@ -784,10 +797,7 @@ def _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journ
         journal.commit(partial)
         if previous and previous != journal.state_layer:
             shutil.rmtree(state_dir / f"gen-{previous:05d}", ignore_errors=True)
-        if current.folder is not None and current.folder != nxt.folder:
-            current.drop()
-        current = nxt
         del layer, ctx, modules, params
         release_freed_memory()
         progress.update(layer_task, advance=1, info=f"rel err {rel:.4f}")
-    current.drop()
+    acts.drop()

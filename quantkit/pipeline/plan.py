@@ -5,8 +5,9 @@ tokenizer files and recipe.yaml are written for real into a scratch folder and m
 are measured, then extrapolated: layer 0 is materialised and run through the real method chain on one batch
 of the real calibration tokens, with the forward passes (which scale with the samples) timed apart from the
 methods' own work (which does not); each layer is then scaled by its size on disk relative to layer 0. Peak
-memory is the trial's high-water mark plus what the trial did not hold: the rest of the activations (two
-generations resident: a layer's inputs and outputs) and a larger layer if there is one.
+memory is the trial's high-water mark plus what the trial did not hold: the rest of the activations (one
+generation resident, each batch's output replacing its input, plus the reference outputs of the
+error-measuring batches) and a larger layer if there is one.
 
 The same disk check guards `quantize` itself: a run that cannot fit its output (and its resume state) is
 refused before any work, with one line and exit 2.
@@ -166,22 +167,22 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
     from quantkit.methods import build_methods
 
     q = setup.recipe.quantization
-    layer = ctx = inputs = outputs = None
+    layer = ctx = acts = None
     for _ in range(2):
-        layer = ctx = inputs = outputs = None  # the previous pass's layer is not part of this one's memory
+        layer = ctx = acts = None  # the previous pass's layer is not part of this one's memory
         release_freed_memory()
         hwm = HighWaterMark()
         began = time.perf_counter()
         layer = setup.handle.materialize_layer(0, compute_dtype, device)
         materialize = time.perf_counter() - began
         ctx = layer_context(setup.handle, plan, layer, setup.scheme, setup.weight_dtype, compute_dtype, autocast)
-        inputs, outputs = ActivationStore(), ActivationStore()
+        acts = ActivationStore()
         for j, h in enumerate(hidden):
-            inputs[j] = h
+            acts[j] = h
         timings: dict = {}
         methods = build_methods(q.method, setup.scheme, q.options)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            process_layer(layer, ctx, methods, inputs, outputs, calls, len(calls), timings=timings)
+            process_layer(layer, ctx, methods, acts, calls, len(calls), setup.error_batches, timings=timings)
         began = time.perf_counter()
         for t in plan.targets:
             pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, setup.weight_dtype,
@@ -189,7 +190,7 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
         pack = time.perf_counter() - began
     del hidden
     peak = hwm.peak()
-    del layer, ctx, inputs, outputs
+    del layer, ctx, acts
     release_freed_memory()
     return Trial(n, capture, materialize, timings["forward"], timings["apply"], pack, rss_before, peak, element,
                  {"hwm_resettable": hwm.resettable})
@@ -253,8 +254,12 @@ def plan_run(opts: PlanOptions) -> dict:
     compute_size = torch.empty((), dtype=compute_dtype_of(compute)).element_size()
     disk_size = torch.empty((), dtype=setup.weight_dtype).element_size()
     bigger_layer = (max(sizes) - sizes[0]) * compute_size / disk_size
-    resident_generations = 0 if spill else 2
-    layer_peak = trial.rss_peak + bigger_layer + resident_generations * (full_acts - trial_acts)
+    # One generation resident (each batch's output replaces its input), plus the unquantised reference outputs
+    # of the error-measuring batches beyond those the trial held.
+    batch_acts = setup.batch_size * setup.calib.input_ids.shape[1] * _hidden(setup) * trial.activation_element_bytes
+    trial_batches = math.ceil(trial.samples / setup.batch_size)
+    references = (setup.error_batches - min(setup.error_batches, trial_batches)) * batch_acts
+    layer_peak = trial.rss_peak + bigger_layer + (0 if spill else full_acts - trial_acts) + references
     peak = max(opts.startup_peak, setup_peak, layer_peak)
     return {
         "output": str(output),

@@ -278,10 +278,10 @@ def test_search_beats_rtn_and_clip_beats_scale_only_on_real_activations(smollm2_
         for label, methods in (("rtn", [RTN(scheme, scale_search="minmax")]), ("scale", [AWQ(scheme, clip=False)]), ("clip", [AWQ(scheme)])):
             layer = copy.deepcopy(base)
             ctx = _ctx(handle, i, layer, scheme, torch.bfloat16)
-            store_in, store_out = ActivationStore(None), ActivationStore(None)
+            acts = ActivationStore(None)
             for j, h in enumerate(hidden):
-                store_in[j] = h
-            errors[label] = process_layer(layer, ctx, methods, store_in, store_out, calls, len(hidden))
+                acts[j] = h
+            errors[label] = process_layer(layer, ctx, methods, acts, calls, len(hidden), len(hidden))
         assert errors["scale"] < 1.03 * errors["rtn"], (i, errors)
         assert errors["clip"] < errors["scale"], (i, errors)
         totals["rtn"] += errors["rtn"]

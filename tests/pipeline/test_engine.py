@@ -311,3 +311,39 @@ def test_every_layer_records_its_phases_without_overlap(tmp_path, tiny_models, m
     for k in phases:
         assert totals[k] == pytest.approx(sum(rec["phases"][k] for rec in layers), abs=2e-3)
     assert totals["outside_layers"] >= 0
+
+
+def test_process_layer_replaces_inputs_by_quantised_outputs_and_measures_error_on_the_error_batches(tiny_models):
+    """One generation of activations: on return the store holds the quantised layer's outputs of the original
+    inputs, and the error is that of the first `error_batches` batches against the unquantised layer."""
+    import copy
+
+    from quantkit.methods.gptq import GPTQ
+    from quantkit.pipeline.activations import ActivationStore
+    from quantkit.pipeline.capture import capture_layer_inputs, run_layer
+    from quantkit.pipeline.engine import layer_context, plan_layers, process_layer
+    from quantkit.models.loader import open_model
+    from quantkit.models.source import resolve_model
+    from quantkit.quant.schemes import get_scheme
+
+    handle = open_model(resolve_model(str(tiny_models["llama"])))
+    ids = torch.randint(0, 256, (6, 24), generator=torch.Generator().manual_seed(3))
+    hidden, calls = capture_layer_inputs(handle, ids, batch_size=2)
+    scheme = get_scheme("W4A16", 32)
+    layer = handle.materialize_layer(0)
+    original = copy.deepcopy(layer)
+    plan = plan_layers(handle, scheme, ["lm_head"])[0]
+    ctx = layer_context(handle, plan, layer, scheme, torch.float32, torch.float32, False)
+    acts = ActivationStore()
+    for j, h in enumerate(hidden):
+        acts[j] = h
+    rel = process_layer(layer, ctx, [GPTQ(scheme)], acts, calls, len(hidden), error_batches=2)
+    with torch.no_grad():
+        quantised = [run_layer(layer, h, c[0]) for h, c in zip(hidden, calls)]
+        reference = [run_layer(original, h, c[0]) for h, c in zip(hidden, calls)]
+    for j, q in enumerate(quantised):
+        torch.testing.assert_close(acts[j], q, rtol=0, atol=0)
+        assert not torch.equal(q, reference[j])  # the layer really was quantised
+    num = sum((q - r).double().pow(2).sum() for q, r in zip(quantised[:2], reference[:2]))
+    den = sum(r.double().pow(2).sum() for r in reference[:2])
+    assert rel == pytest.approx(float((num / den).sqrt()), rel=1e-9)
