@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -230,7 +231,351 @@ at::Tensor tiled(const Layout& L, const at::Tensor& x, int64_t N) {
   return yt.t().contiguous();
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Integer-dot GEMV for 4-bit weights (M <= 16 rows of x), on a tiled copy of the nibbles made once at load.
+//
+// Decode is memory-bound only if the arithmetic keeps up with the bytes; decoding nibbles to fp32 and
+// FMA-ing them does not. Here x is quantised per block of 64 or 128 columns into 16-bit fixed point,
+// x ~= c * (256 * hi + lo) with hi, lo int8 and c = absmax / (127 * 256): an error of at most absmax * 2^-16
+// per element, ~100x below a bf16 input's own rounding of its largest element. Each block's dot product is
+// then exact integer arithmetic on the stored nibbles, u8 x s8 multiply-adds (AVX512-VNNI vpdpbusd, 64 per
+// instruction; AVX2 pmaddubsw), hi and lo combined as (sum u*hi) * 256 + sum u*lo in int32. The weight's
+// offset (8 + zero point) is removed per block through the block sums of x.
+//
+// Tiles: 16 output rows each, streamed as one sequential run of bytes (several row-wise streams per core
+// were latency-bound at half the bandwidth a single stream gets). Per 8-column step s, a tile holds 64
+// bytes: 4 per row j, the low nibble of byte t being u[j, 8s + t] and the high nibble u[j, 8s + 4 + t], so a
+// 32-bit lane is one row's 4 consecutive columns and x's 4 matching bytes are broadcast to every lane.
+// Scales come per tile and group as 16 consecutive fp32 values, so per-block scaling is one vector op.
+
+constexpr int TILE = 16;
+
+struct DotArgs {
+  const uint8_t* tiles;           // [tiles, K / 8, 64]
+  const float* scale;             // [tiles, n_groups, 16]
+  const float* zscale;            // [tiles, n_groups, 16]: scale * (8 + zp); nullptr when symmetric (8 * scale)
+  int64_t K, N, n_groups, block, n_blocks;
+  const int64_t* group_of_block;  // [n_blocks]
+  const int8_t* xq;               // [M, 2K]: hi of every column, then lo
+  const float* xc;                // [M, n_blocks]: c = absmax / (127 * 256)
+  const float* xcs;               // [M, n_blocks]: c * (sum over the block of 256 * hi + lo)
+};
+
+inline int64_t block_width(const DotArgs& A, int64_t b) { return std::min(A.block, A.K - b * A.block); }
+
+void quantize_x(const float* x, int64_t M, int64_t K, int64_t block, int64_t n_blocks, int8_t* xq, float* xc,
+                float* xcs) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    int8_t* hi_row = xq + m * 2 * K;
+    int8_t* lo_row = hi_row + K;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const int64_t k0 = b * block, k1 = std::min(K, k0 + block);
+      float amax = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int64_t sum = 0;
+      for (int64_t k = k0; k < k1; ++k) {
+        const float v = xr[k] * inv;
+        const float hi = std::nearbyint(v);
+        const float lo = std::min(127.0f, std::max(-128.0f, std::nearbyint((v - hi) * 256.0f)));
+        hi_row[k] = int8_t(hi);
+        lo_row[k] = int8_t(lo);
+        sum += 256 * int64_t(hi) + int64_t(lo);
+      }
+      const float c = amax / (127.0f * 256.0f);
+      xc[m * n_blocks + b] = c;
+      xcs[m * n_blocks + b] = c * float(sum);
+    }
+  }
+}
+
+inline int nibble(const uint8_t* step, int j, int64_t col) {  // col in 0..7 of the step
+  const uint8_t byte = step[4 * j + (col & 3)];
+  return col < 4 ? (byte & 15) : (byte >> 4);
+}
+
+inline int64_t valid_rows(const DotArgs& A, int64_t t) { return std::min<int64_t>(TILE, A.N - t * TILE); }
+
+template <int MB>
+void dot_tile_scalar(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
+  const uint8_t* w = A.tiles + t * (A.K / 8) * 64;
+  for (int j = 0; j < valid_rows(A, t); ++j) {
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* xh = A.xq + (m0 + m) * 2 * A.K;
+      double total = 0.0;
+      for (int64_t b = 0; b < A.n_blocks; ++b) {
+        const int64_t k0 = b * A.block, g = A.group_of_block[b];
+        int64_t hi = 0, lo = 0;
+        for (int64_t k = k0; k < k0 + block_width(A, b); ++k) {
+          const int u = nibble(w + (k / 8) * 64, j, k % 8);
+          hi += u * xh[k];
+          lo += u * xh[A.K + k];
+        }
+        const float s = A.scale[(t * A.n_groups + g) * TILE + j];
+        const float sz = A.zscale ? A.zscale[(t * A.n_groups + g) * TILE + j] : 8.0f * s;
+        total += double(s) * A.xc[(m0 + m) * A.n_blocks + b] * double(256 * hi + lo) -
+                 double(sz) * A.xcs[(m0 + m) * A.n_blocks + b];
+      }
+      y[(m0 + m) * ldy + t * TILE + j] = float(total);
+    }
+  }
+}
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#ifdef QK_AVX2
+// AVX2: a tile step is two 32-byte halves (rows 0-7, 8-15); pmaddubsw + pmaddwd per half.
+template <int MB>
+void dot_tile_avx2(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
+  const uint8_t* w = A.tiles + t * (A.K / 8) * 64;
+  const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < A.n_blocks; ++b) {
+    const int64_t k0 = b * A.block, k1 = k0 + block_width(A, b), g = A.group_of_block[b];
+    __m256i d[MB][2];
+    for (int m = 0; m < MB; ++m) d[m][0] = d[m][1] = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k1; k += 8) {
+      const uint8_t* step = w + (k / 8) * 64;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * h));
+        const __m256i ue = _mm256_and_si256(bytes, nib), uo = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xh = A.xq + (m0 + m) * 2 * A.K + k;
+          const int8_t* xl = xh + A.K;
+          // pmaddubsw: two u4 x s8 products per int16 (|.| <= 3840); two of them summed still fit.
+          const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(ue, _mm256_set1_epi32(load4(xh))),
+                                              _mm256_maddubs_epi16(uo, _mm256_set1_epi32(load4(xh + 4))));
+          const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(ue, _mm256_set1_epi32(load4(xl))),
+                                              _mm256_maddubs_epi16(uo, _mm256_set1_epi32(load4(xl + 4))));
+          d[m][h] = _mm256_add_epi32(d[m][h], _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(ph, ones), 8),
+                                                               _mm256_madd_epi16(pl, ones)));
+        }
+      }
+    }
+    const float* st = A.scale + (t * A.n_groups + g) * TILE;
+    const float* zt = A.zscale ? A.zscale + (t * A.n_groups + g) * TILE : nullptr;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sv = _mm256_loadu_ps(st + 8 * h);
+      const __m256 zv = zt ? _mm256_loadu_ps(zt + 8 * h) : _mm256_mul_ps(sv, _mm256_set1_ps(8.0f));
+      for (int m = 0; m < MB; ++m) {
+        const float c = A.xc[(m0 + m) * A.n_blocks + b], cs = A.xcs[(m0 + m) * A.n_blocks + b];
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[m][h]), _mm256_mul_ps(sv, _mm256_set1_ps(c)), acc[m][h]);
+        acc[m][h] = _mm256_fnmadd_ps(zv, _mm256_set1_ps(cs), acc[m][h]);
+      }
+    }
+  }
+  const int64_t rows = valid_rows(A, t);
+  for (int m = 0; m < MB; ++m) {
+    float out[TILE];
+    _mm256_storeu_ps(out, acc[m][0]);
+    _mm256_storeu_ps(out + 8, acc[m][1]);
+    std::memcpy(y + (m0 + m) * ldy + t * TILE, out, rows * sizeof(float));
+  }
+}
+#endif
+
+#if defined(QK_AVX2) && defined(__GNUC__) && defined(__x86_64__)
+#define QK_X86 1
+#define QK_VNNI_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// AVX512-VNNI: one 64-byte tile step per load, 16 rows per zmm lane set. For MB <= 2 the even and odd
+// halves of each step accumulate separately (four dpbusd chains per x row instead of two: the chains'
+// latency, not the throughput, bounds one-row decode).
+template <int MB>
+QK_VNNI_TARGET void dot_tile_vnni(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
+  constexpr int C = MB <= 2 ? 2 : 1;
+  const uint8_t* w = A.tiles + t * (A.K / 8) * 64;
+  const __m512i nib = _mm512_set1_epi8(15);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < A.n_blocks; ++b) {
+    const int64_t k0 = b * A.block, k1 = k0 + block_width(A, b), g = A.group_of_block[b];
+    __m512i dh[MB][C], dl[MB][C];
+    for (int m = 0; m < MB; ++m)
+      for (int c = 0; c < C; ++c) dh[m][c] = dl[m][c] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 8) {
+      const uint8_t* step = w + (k / 8) * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(step + 2048), _MM_HINT_T0);
+      const __m512i bytes = _mm512_loadu_si512(step);
+      const __m512i ue = _mm512_and_si512(bytes, nib), uo = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nib);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xh = A.xq + (m0 + m) * 2 * A.K + k;
+        const int8_t* xl = xh + A.K;
+        dh[m][0] = _mm512_dpbusd_epi32(dh[m][0], ue, _mm512_set1_epi32(load4(xh)));
+        dl[m][0] = _mm512_dpbusd_epi32(dl[m][0], ue, _mm512_set1_epi32(load4(xl)));
+        dh[m][C - 1] = _mm512_dpbusd_epi32(dh[m][C - 1], uo, _mm512_set1_epi32(load4(xh + 4)));
+        dl[m][C - 1] = _mm512_dpbusd_epi32(dl[m][C - 1], uo, _mm512_set1_epi32(load4(xl + 4)));
+      }
+    }
+    const __m512 sv = _mm512_loadu_ps(A.scale + (t * A.n_groups + g) * TILE);
+    const __m512 zv = A.zscale ? _mm512_loadu_ps(A.zscale + (t * A.n_groups + g) * TILE)
+                               : _mm512_mul_ps(sv, _mm512_set1_ps(8.0f));
+    for (int m = 0; m < MB; ++m) {
+      __m512i hi = dh[m][0], lo = dl[m][0];
+      if (C == 2) hi = _mm512_add_epi32(hi, dh[m][C - 1]), lo = _mm512_add_epi32(lo, dl[m][C - 1]);
+      const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
+      const float c = A.xc[(m0 + m) * A.n_blocks + b], cs = A.xcs[(m0 + m) * A.n_blocks + b];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv, _mm512_set1_ps(c)), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(zv, _mm512_set1_ps(cs), acc[m]);
+    }
+  }
+  const __mmask16 mask = __mmask16((1u << valid_rows(A, t)) - 1u);
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * ldy + t * TILE, mask, acc[m]);
+}
+
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+#else
+bool cpu_has_vnni() { return false; }
+#endif
+
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, VNNI512 = 2 };
+
+template <int MB>
+void dot_tiles(const DotArgs& A, int64_t isa, int64_t m0, float* y, int64_t ldy) {
+  const int64_t tiles = (A.N + TILE - 1) / TILE;
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+#ifdef QK_X86
+      if (isa == VNNI512) { dot_tile_vnni<MB>(A, t, m0, y, ldy); continue; }
+#endif
+#ifdef QK_AVX2
+      if (isa == AVX2) { dot_tile_avx2<MB>(A, t, m0, y, ldy); continue; }
+#endif
+      dot_tile_scalar<MB>(A, t, m0, y, ldy);
+    }
+  });
+}
+
+// Dense fp32 rows [t0 * 16, t1 * 16) of the weight from the tiles (for batches past the GEMV range).
+void tile_rows(const DotArgs& A, int64_t t, float* out /* [16, K] */) {
+  const uint8_t* w = A.tiles + t * (A.K / 8) * 64;
+  for (int64_t b = 0; b < A.n_blocks; ++b) {
+    const int64_t k0 = b * A.block, k1 = k0 + block_width(A, b), g = A.group_of_block[b];
+    const float* st = A.scale + (t * A.n_groups + g) * TILE;
+    const float* zt = A.zscale ? A.zscale + (t * A.n_groups + g) * TILE : nullptr;
+    for (int j = 0; j < TILE; ++j) {
+      const float s = st[j], sz = zt ? zt[j] : 8.0f * s;
+      float* o = out + j * A.K;
+      for (int64_t k = k0; k < k1; k += 8) {
+        const uint8_t* q = w + (k / 8) * 64 + 4 * j;
+        for (int c = 0; c < 4; ++c) {
+          o[k + c] = float(q[c] & 15) * s - sz;
+          o[k + 4 + c] = float(q[c] >> 4) * s - sz;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
+
+// compressed-tensors' 4-bit rows (uint8 [N, >= K/2]: column 2j in the low nibble of byte j, 2j+1 in the high
+// one, each value + 8) -> the dot kernel's tiles uint8 [ceil(N/16), K/8, 64] (see TILE), padded rows 0.
+at::Tensor tile_u4(const at::Tensor& packed, int64_t K) {
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed must be uint8 [N, B]");
+  TORCH_CHECK(K % 8 == 0 && packed.size(1) >= K / 2, "K must be a multiple of 8 within the rows");
+  const int64_t N = packed.size(0), rb = packed.size(1), n_tiles = (N + TILE - 1) / TILE, steps = K / 8;
+  at::Tensor tiles = at::zeros({n_tiles, steps, 64}, packed.options());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < std::min<int64_t>(TILE, N - t * TILE); ++j) {
+        const uint8_t* row = src + (t * TILE + j) * rb;
+        for (int64_t s = 0; s < steps; ++s) {
+          // Row bytes 4s..4s+3 hold columns 8s..8s+7 as (8s, 8s+1), (8s+2, 8s+3), ...
+          int u[8];
+          for (int c = 0; c < 4; ++c) u[2 * c] = row[4 * s + c] & 15, u[2 * c + 1] = row[4 * s + c] >> 4;
+          uint8_t* out = dst + (t * steps + s) * 64 + 4 * j;
+          for (int c = 0; c < 4; ++c) out[c] = uint8_t(u[c] | (u[4 + c] << 4));
+        }
+      }
+  });
+  return tiles;
+}
+
+// The integer-dot linear on tiles made by quantkit.runtime.kernels.cpp.tile_nibbles: x [M, K] fp32 or bf16;
+// tiles uint8 [ceil(N / 16), K / 8, 64]; scale (and zscale, or empty) fp32 [tiles, n_groups, 16]; K % 64 == 0,
+// group a multiple of 64 or K. M <= gemv_max_rows: the integer GEMV; larger M: dense row tiles in x's dtype
+// through the BLAS. isa: 0 scalar, 1 AVX2, 2 AVX512-VNNI (downgraded to what this CPU and build have).
+// Returns fp32 [M, N] (GEMV) or x's dtype (BLAS).
+at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& zscale,
+                      int64_t N, int64_t group, int64_t isa, int64_t gemv_max_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+              x.scalar_type() == at::kHalf), "x must be contiguous [M, K] fp32/bf16/fp16");
+  const int64_t M = x.size(0), K = x.size(1), n_tiles = (N + TILE - 1) / TILE;
+  TORCH_CHECK(K % 64 == 0 && K > 0, "K must be a positive multiple of 64, got ", K);
+  TORCH_CHECK(group == K || (group % 64 == 0 && group > 0), "group must be a multiple of 64 or K, got ", group);
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.numel() == n_tiles * (K / 8) * 64,
+              "tiles must be uint8 [", n_tiles, ", ", K / 8, ", 64]");
+  const int64_t n_groups = (K + group - 1) / group;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_tiles * n_groups * TILE,
+              "scale must be fp32 [tiles, groups, 16]");
+  const bool has_z = zscale.numel() > 0;
+  TORCH_CHECK(!has_z || (zscale.scalar_type() == at::kFloat && zscale.is_contiguous() && zscale.sizes() == scale.sizes()),
+              "zscale must be empty or shaped like scale");
+  const int64_t block = (group == K || group % 128 == 0) ? 128 : 64;
+  const int64_t n_blocks = (K + block - 1) / block;
+  std::vector<int64_t> group_of_block(n_blocks);
+  for (int64_t b = 0; b < n_blocks; ++b) group_of_block[b] = (b * block) / group;
+  DotArgs A{tiles.data_ptr<uint8_t>(), scale.data_ptr<float>(), has_z ? zscale.data_ptr<float>() : nullptr,
+            K, N, n_groups, block, n_blocks, group_of_block.data(), nullptr, nullptr, nullptr};
+  if (M > gemv_max_rows) {
+    // Dense rows of ~1 MB at a time, in x's dtype, multiplied by the BLAS (AMX / AVX512-BF16 for bf16).
+    const int64_t per = std::max<int64_t>(1, std::min<int64_t>(n_tiles, ((int64_t(1) << 18) / K + TILE - 1) / TILE));
+    at::Tensor buf = at::empty({per * TILE, K}, x.options().dtype(at::kFloat));
+    at::Tensor yt = at::empty({N, M}, x.options());
+    at::Tensor xt = x.t();
+    for (int64_t t0 = 0; t0 < n_tiles; t0 += per) {
+      const int64_t nt = std::min(per, n_tiles - t0), rows = std::min(nt * TILE, N - t0 * TILE);
+      at::parallel_for(0, nt, 1, [&](int64_t a, int64_t b) {
+        for (int64_t t = a; t < b; ++t) tile_rows(A, t0 + t, buf.data_ptr<float>() + t * TILE * K);
+      });
+      at::Tensor dense = buf.narrow(0, 0, rows);
+      at::Tensor out = yt.narrow(0, t0 * TILE, rows);
+      at::mm_out(out, x.scalar_type() == at::kFloat ? dense : dense.to(x.scalar_type()), xt);
+    }
+    return yt.t().contiguous();
+  }
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor xq = at::empty({M, 2 * K}, xf.options().dtype(at::kChar));
+  at::Tensor xc = at::empty({M, n_blocks}, xf.options());
+  at::Tensor xcs = at::empty({M, n_blocks}, xf.options());
+  quantize_x(xf.data_ptr<float>(), M, K, block, n_blocks, xq.data_ptr<int8_t>(), xc.data_ptr<float>(),
+             xcs.data_ptr<float>());
+  A.xq = xq.data_ptr<int8_t>();
+  A.xc = xc.data_ptr<float>();
+  A.xcs = xcs.data_ptr<float>();
+  if (isa == VNNI512 && !cpu_has_vnni()) isa = AVX2;
+#ifndef QK_AVX2
+  if (isa == AVX2) isa = SCALAR;
+#endif
+  at::Tensor y = at::empty({M, N}, xf.options());
+  float* yp = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: dot_tiles<1>(A, isa, m0, yp, N); break;
+      case 2: dot_tiles<2>(A, isa, m0, yp, N); break;
+      case 3: dot_tiles<3>(A, isa, m0, yp, N); break;
+      case 4: dot_tiles<4>(A, isa, m0, yp, N); break;
+      case 5: dot_tiles<5>(A, isa, m0, yp, N); break;
+      case 6: dot_tiles<6>(A, isa, m0, yp, N); break;
+      case 7: dot_tiles<7>(A, isa, m0, yp, N); break;
+      default: dot_tiles<8>(A, isa, m0, yp, N); break;
+    }
+  }
+  return y;
+}
 
 // x: fp32 [M, K]; codes: uint8 [N, row_bytes]; scale: fp32 [ceil(N / row_block), n_groups]; zp: int8 of
 // the same shape or empty (symmetric); returns fp32 [M, N].
@@ -271,4 +616,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   init_e4m3_table();
   m.def("dq_linear", &dq_linear, "x @ dequant(W)^T in fp32 (W: uint4 / int8 / e4m3 bytes with group scales)");
   m.def("has_avx2", &has_avx2, "built with the AVX2 + FMA + F16C path");
+  m.def("dot_linear", &dot_linear, "x @ dequant(W)^T for 4-bit W in 16-row tiles (integer dot GEMV, BLAS past it)");
+  m.def("has_vnni", &cpu_has_vnni, "this CPU runs the AVX512-VNNI path");
+  m.def("tile_u4", &tile_u4, "compressed-tensors 4-bit rows -> the dot kernel's tiles");
 }

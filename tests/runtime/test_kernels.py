@@ -87,13 +87,18 @@ def fp8_layer(n, k, strategy, act, *, dtype, seed=0) -> QuantLinear:
 
 # name -> (builder, {activation dtype: the kernel expected to serve it}). Shapes cover what torch's ops refuse:
 # out not a multiple of 16, odd or ragged K, groups of 16, K=576-like widths that 128-blocks do not divide.
-I4, I8, MM, CPP = "torch-int4pack", "torch-int8pack", "torch-int-mm", "cpu-dequant"
+I4, I8, MM, CPP, DOT = "torch-int4pack", "torch-int8pack", "torch-int-mm", "cpu-dequant", "cpu-int4dot"
 BF, FP = torch.bfloat16, torch.float32
 CASES = {
     "w4_sym_g32": (lambda d: int_layer(64, 128, 4, True, 32, dtype=d), {BF: I4, FP: CPP}),
     "w4_asym_g32": (lambda d: int_layer(48, 128, 4, False, 32, dtype=d), {BF: I4, FP: CPP}),
-    "w4_asym_g64_act_order": (lambda d: int_layer(32, 256, 4, False, 64, act_order=True, dtype=d), {BF: I4, FP: CPP}),
-    "w4_sym_channel_k576": (lambda d: int_layer(32, 576, 4, True, dtype=d), {BF: I4, FP: CPP}),
+    "w4_asym_g64_act_order": (lambda d: int_layer(32, 256, 4, False, 64, act_order=True, dtype=d), {BF: DOT, FP: DOT}),
+    "w4_sym_channel_k576": (lambda d: int_layer(32, 576, 4, True, dtype=d), {BF: DOT, FP: DOT}),
+    # 16-row tiles with padded rows; 64-column blocks; 128-column blocks with a 64-wide last one (320 = 2 x 128 + 64).
+    "w4_sym_g64_k576_n40": (lambda d: int_layer(40, 576, 4, True, 64, dtype=d), {BF: DOT, FP: DOT}),
+    "w4_asym_channel_k320": (lambda d: int_layer(72, 320, 4, False, dtype=d), {BF: DOT, FP: DOT}),
+    "w4_asym_g128_n24": (lambda d: int_layer(24, 384, 4, False, 128, dtype=d), {BF: DOT, FP: DOT}),
+    "w4_asym_g256_act_order": (lambda d: int_layer(16, 512, 4, False, 256, act_order=True, dtype=d), {BF: DOT, FP: DOT}),
     "w4_sym_channel_ragged": (lambda d: int_layer(40, 99, 4, True, dtype=d), {BF: CPP, FP: CPP}),
     "w4_asym_g16_act_order": (lambda d: int_layer(40, 96, 4, False, 16, act_order=True, dtype=d), {BF: CPP, FP: CPP}),
     "w8_sym_channel_ragged": (lambda d: int_layer(48, 100, 8, True, dtype=d), {BF: CPP, FP: CPP}),
@@ -308,3 +313,36 @@ def test_a_kernel_that_does_not_build_leaves_the_reference_with_one_warning(tmp_
     assert err[1].startswith("warning: no cpu kernel for 2 quantised linear(s)")
     x = torch.randn(3, 64)
     assert torch.equal(layers[0](x), reference.linear(x, int_layer(32, 64, 4, True, 32, dtype=torch.float32)))
+
+
+@pytest.mark.parametrize("case", ["w4_asym_g64_act_order", "w4_asym_channel_k320", "w4_sym_g64_k576_n40"])
+def test_int4dot_instruction_sets_agree_with_the_oracle(case, monkeypatch):
+    """The scalar, AVX2 and AVX512-VNNI paths of cpu-int4dot (whichever this CPU runs) each meet the oracle's
+    bf16 bound, for every batch size of the GEMV (1..16, each MB template)."""
+    from quantkit.runtime.kernels import cpp
+
+    isas = [cpp.ISA_SCALAR, cpp.ISA_AVX2] + ([cpp.ISA_VNNI512] if cpp.extension().has_vnni() else [])
+    build, _ = CASES[case]
+    layer, twin = build(torch.bfloat16), build(torch.bfloat16)
+    assert dispatch.prepare_layer(layer)[0] == DOT
+    gen = torch.Generator().manual_seed(5)
+    xs = [(torch.randn(m, layer.in_features, generator=gen) * 2).bfloat16() for m in (1, 2, 3, 5, 8, 9, 16)]
+    outputs = {}
+    for isa in isas:
+        monkeypatch.setattr(cpp, "dot_isa", lambda isa=isa: isa)
+        outputs[isa] = [layer(x) for x in xs]
+    for isa, ys in outputs.items():
+        for x, y in zip(xs, ys):
+            y_o, mag = _oracle(twin, x)
+            err = (y.double() - y_o).abs()
+            assert (err <= 2**-8 * (y_o.abs() + mag)).all(), f"isa {isa} M={x.shape[0]}: max err {err.max():.3g}"
+
+
+def test_int4dot_tiles_from_packed_bytes_equal_the_tiles_of_the_unpacked_values():
+    """The C++ re-tiling of compressed-tensors' packed rows (what load uses) against the tensor-op tiling of the
+    unpacked values (unsigned_weight, compressed-tensors' convention checked in test_reference.py)."""
+    from quantkit.runtime.kernels import base, cpp
+
+    layer = int_layer(40, 320, 4, False, dtype=torch.bfloat16)  # 40 rows: a padded last tile
+    packed = layer.weight_packed.contiguous().view(torch.uint8)
+    assert torch.equal(cpp.extension().tile_u4(packed, 320), cpp.tile_nibbles(base.unsigned_weight(layer)))

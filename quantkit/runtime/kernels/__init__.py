@@ -1,8 +1,10 @@
 """quantkit's kernels, registered per device type in the order dispatch tries them (see `base.Kernel`).
 
-CPU: torch's int4 matmul for W4A16 and int8 weight-only matmul for per-channel W8A16 (bf16/fp16 activations),
-torch's int8 x int8 matmul for W8A8, and the C++ dequantising kernel (`cpp.DequantKernel`) for everything
-else: fp32 activations, group-wise W8A16, shapes torch refuses, FP8.
+CPU: the C++ integer-dot kernel for 4-bit weights in 64-column groups (`cpp.Int4DotKernel`: 2x torch's int4
+matmul at batch 1, benchmarks/results/runtime.md), torch's int4 matmul for the other W4A16 shapes it takes and
+int8 weight-only matmul for per-channel W8A16 (bf16/fp16 activations), torch's int8 x int8 matmul for W8A8,
+and the C++ dequantising kernel (`cpp.DequantKernel`) for everything else: fp32 activations, group-wise
+W8A16, shapes torch refuses, FP8.
 CUDA: csrc/ through NVRTC (`quantkit.runtime.cuda`), offered only where a GPU, its driver and the pinned CUDA
 Python set are present (else one line says why and the reference serves CUDA tensors).
 """
@@ -10,9 +12,10 @@ Python set are present (else one line says why and the reference serves CUDA ten
 
 def register_builtin() -> None:
     from quantkit.runtime.dispatch import register_kernel
-    from quantkit.runtime.kernels.cpp import DequantKernel
+    from quantkit.runtime.kernels.cpp import DequantKernel, Int4DotKernel
     from quantkit.runtime.kernels.torch_cpu import Int4PackKernel, Int8PackKernel, IntMMKernel
 
+    register_kernel(Int4DotKernel(), "cpu", priority=5)
     register_kernel(Int4PackKernel(), "cpu", priority=10)
     register_kernel(Int8PackKernel(), "cpu", priority=10)
     register_kernel(IntMMKernel(), "cpu", priority=10)

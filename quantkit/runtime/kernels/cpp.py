@@ -1,5 +1,14 @@
-"""`cpu-dequant`: the C++ kernel in csrc/cpu/dequant_gemm.cpp, for every weight format the torch ops do not
-cover (fp32 activations, group-wise W8A16, asymmetric or ragged shapes torch refuses, FP8 weights).
+"""The C++ kernels in csrc/cpu/dequant_gemm.cpp.
+
+`cpu-int4dot` serves 4-bit weight-only linears (W4A16, symmetric or not, group/channel/tensor scales, act-order)
+whose in_features are a multiple of 64 and whose groups are multiples of 64: at load the nibbles are
+re-tiled (16 rows per tile, one sequential stream; the same bytes, not a dense copy) and the scales laid out
+per tile; decode-sized batches (up to GEMV_MAX_ROWS rows) run an integer-dot GEMV on the nibbles with x
+in 16-bit block fixed point (see the source: error <= absmax * 2^-16 per element, far below bf16's own),
+larger batches dequantise ~1 MB of rows at a time into x's dtype for the BLAS.
+
+`cpu-dequant` covers every other weight format the torch ops do not (fp32 activations of shapes the tiles do
+not take, group-wise W8A16, asymmetric or ragged shapes torch refuses, FP8 weights).
 
 The weight stays in its stored bytes (4-bit nibbles, int8 or e4m3: zero-copy views of the checkpoint tensors
 where their layout allows) with fp32 scales and int8 zero points; the kernel decodes it eight weights at a
@@ -145,3 +154,87 @@ class DequantKernel:
 
 
 _EMPTY_I8 = torch.empty(0, dtype=torch.int8)
+_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
+TILE = 16  # rows per tile (csrc: TILE)
+ISA_SCALAR, ISA_AVX2, ISA_VNNI512 = 0, 1, 2
+
+
+@functools.cache
+def dot_isa() -> int:
+    """The integer-dot GEMV's instruction set here: AVX512-VNNI where ATen itself runs AVX512 and the CPU has
+    it (so ATEN_CPU_CAPABILITY=avx2 runs the AVX2 path, as an AVX2-only CPU would), else AVX2, else scalar."""
+    ext = extension()
+    if ext is not None and torch.backends.cpu.get_cpu_capability() == "AVX512" and ext.has_vnni():
+        return ISA_VNNI512
+    return ISA_AVX2 if ext is not None and ext.has_avx2() else ISA_SCALAR
+
+
+def tile_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """Unsigned 4-bit values u [N, K] (0..15, K % 8 == 0) -> the kernel's tiles uint8 [ceil(N/16), K/8, 64]:
+    per tile and 8-column step, 4 bytes per row, byte t holding columns t (low nibble) and 4 + t (high)."""
+    n, k = u.shape
+    pad = -n % TILE
+    if pad:
+        u = torch.nn.functional.pad(u, (0, 0, 0, pad))
+    v = u.reshape(-1, TILE, k // 8, 2, 4)  # [tile, row, step, half, t]
+    return (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous().reshape(-1, k // 8, 64)
+
+
+def tile_grid(grid: torch.Tensor, n: int) -> torch.Tensor:
+    """A per-row [N, G] fp32 grid -> [ceil(N/16), G, 16] (padded rows 0)."""
+    pad = -n % TILE
+    if pad:
+        grid = torch.nn.functional.pad(grid, (0, 0, 0, pad))
+    return grid.reshape(-1, TILE, grid.shape[1]).transpose(1, 2).contiguous()
+
+
+@dataclass
+class Int4Tiles(Prepared):
+    tiles: torch.Tensor  # uint8 [tiles, K / 8, 64]
+    scale: torch.Tensor  # fp32 [tiles, groups, 16]
+    zscale: torch.Tensor | None  # fp32 scale * (8 + zp), like scale; None when symmetric
+    perm: torch.Tensor | None
+    group: int
+
+
+class Int4DotKernel:
+    name = "cpu-int4dot"
+
+    @staticmethod
+    def _group(fmt, k: int) -> int | None:
+        w = fmt.weights
+        if w.strategy == "group":
+            return w.group_size if w.group_size % 64 == 0 else None
+        return k if w.strategy in ("channel", "tensor") else None
+
+    def supports(self, fmt, device, shape, dtype) -> bool:
+        w = fmt.weights
+        n, k = shape
+        return (torch.device(device).type == "cpu" and dtype.is_floating_point and fmt.input is None
+                and w.type == "int" and w.num_bits == 4 and k % 64 == 0 and self._group(fmt, k) is not None
+                and extension() is not None)
+
+    def prepare(self, layer) -> Int4Tiles:
+        n, k = layer.out_features, layer.in_features
+        perm = act_order(layer)
+        if layer.fmt.format == "pack-quantized" and perm is None:
+            # Straight from the checkpoint's bytes (no [out, in] unpacked copy: 2x the packed size per layer,
+            # which the allocator then keeps as resident memory).
+            tiles = extension().tile_u4(layer.weight_packed.contiguous().view(torch.uint8), k)
+        else:
+            tiles = tile_nibbles(unsigned_weight(layer, perm))
+        scale, width, row_block = scale_grid(layer)
+        scale = scale.float().expand(n, -1) if row_block > 1 else scale.float()
+        zp = zero_grid(layer)
+        zscale = None if zp is None else tile_grid(scale * (8.0 + zp.float().expand_as(scale)), n)
+        group = self._group(layer.fmt, k)
+        return Int4Tiles(k, n, layer.bias, tiles, tile_grid(scale, n), zscale, perm, group)
+
+    def run(self, x: torch.Tensor, p: Int4Tiles) -> torch.Tensor:
+        x2 = flat(x, p.in_features)
+        if p.perm is not None:
+            x2 = x2.index_select(1, p.perm)
+        zs = p.zscale if p.zscale is not None else _EMPTY_F32
+        y = extension().dot_linear(x2.contiguous(), p.tiles, p.scale, zs, p.out_features, p.group, dot_isa(),
+                                   GEMV_MAX_ROWS)
+        return finish(y, x, p)
