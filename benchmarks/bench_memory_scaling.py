@@ -1,6 +1,6 @@
 """Peak memory of `quantkit quantize` on a model much larger than one layer.
 
-    .venv/bin/python benchmarks/bench_memory_scaling.py [--method rtn|gptq|awq] [--with-llmcompressor]
+    .venv/bin/python benchmarks/bench_memory_scaling.py [--method rtn|gptq|awq] [--offload] [--with-llmcompressor]
 
 Builds (once) a randomly initialised Llama of about 0.7B parameters stored in fp32 (about 2.8 GB of
 safetensors), quantises it to W4A16 g128 (RTN by default) and reports peak RSS as a fraction of the model's size on disk.
@@ -44,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "memory")
     ap.add_argument("--method", choices=["rtn", "gptq", "awq"], default="rtn")
+    ap.add_argument("--offload", action="store_true", help="spill the calibration activations to disk (--offload-dir)")
     ap.add_argument("--with-llmcompressor", action="store_true", help="also run llm-compressor's same method on it")
     args = ap.parse_args()
     import os
@@ -54,10 +55,12 @@ def main() -> None:
     cpu = f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs"
     load_before = os.getloadavg()[0]
     size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    out = args.work / f"quantkit-{args.method}-w4a16"
+    out = args.work / f"quantkit-{args.method}-w4a16{'-offload' if args.offload else ''}"
     shutil.rmtree(out, ignore_errors=True)
+    spill = ["--offload-dir", str(args.work / "spill")] if args.offload else []
     qk = run_measured([str(ROOT / ".venv" / "bin" / "quantkit"), "quantize", "--model", str(model), "--method", args.method,
-                       "--scheme", "W4A16", "--group-size", "128", "--output", str(out), "--json"])
+                       "--scheme", "W4A16", "--group-size", "128", "--output", str(out), "--json", *spill])
+    shutil.rmtree(args.work / "spill", ignore_errors=True)
     rows = [("quantkit", qk)]
     if args.with_llmcompressor:
         from transformers import AutoTokenizer
@@ -74,7 +77,8 @@ def main() -> None:
                                                      "--model", str(model), "--recipe", args.method, "--scheme", "W4A16",
                                                      "--group-size", "128", "--output", str(llmc_out),
                                                      "--tokens", str(tokens)])))
-    md = [f"# Memory scaling: {args.method.upper()} W4A16 g128 on a random 0.7B Llama (fp32)", "",
+    how = " (activations spilled to disk)" if args.offload else ""
+    md = [f"# Memory scaling: {args.method.upper()} W4A16 g128 on a random 0.7B Llama (fp32){how}", "",
           f"model size on disk: {size / 1e9:.2f} GB", cpu,
           f"load average before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}", "",
           "| tool | wall (s) | peak RSS (MB) | peak RSS / model size |", "|---|---|---|---|"]
@@ -83,7 +87,8 @@ def main() -> None:
     if len(rows) == 2:
         md += ["", f"quantkit / llm-compressor peak RSS: {ratio(rows[0][1]['peak_rss_bytes'], rows[1][1]['peak_rss_bytes'])}, "
                    f"wall: {ratio(rows[0][1]['wall_s'], rows[1][1]['wall_s'])}"]
-    write_results("memory_scaling" if args.method == "rtn" else f"memory_scaling_{args.method}", {"method": args.method, "model_bytes": size, "cpu": cpu, "load_average_before": load_before, **{n: {**r, "stdout": None, "stderr": None} for n, r in rows}},
+    name = "memory_scaling" + ("" if args.method == "rtn" else f"_{args.method}") + ("_offload" if args.offload else "")
+    write_results(name, {"method": args.method, "offload": args.offload, "model_bytes": size, "cpu": cpu, "load_average_before": load_before, **{n: {**r, "stdout": None, "stderr": None} for n, r in rows}},
                   "\n".join(md) + "\n")
 
 

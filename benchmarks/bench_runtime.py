@@ -200,6 +200,7 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,W4A16,W8A16,W8A8,FP8_DYNAMIC")
     ap.add_argument("--no-transformers", action="store_true", help="leave out transformers' compressed-tensors path")
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "runtime")
+    ap.add_argument("--results", default="runtime", help="results file name (benchmarks/results/NAME.md/.json)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     smol, tok = prepare_run(None, args.work / "scratch")
@@ -247,7 +248,7 @@ def main() -> None:
                                     "file_bytes": gguf.stat().st_size, **res})
             print(name, q, "llama.cpp", res, flush=True)
     payload["load_average_after"] = os.getloadavg()
-    write_results("runtime", payload, markdown(payload))
+    write_results(args.results, payload, markdown(payload))
 
 
 def markdown(payload: dict) -> str:

@@ -8,6 +8,7 @@ which the checkpoint tensors are released, so a layer never holds two copies of 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quantkit.runtime import dispatch
@@ -23,6 +24,24 @@ def dense_parameter(t: torch.Tensor) -> nn.Parameter:
     back to bmm, which copies the whole weight on every call (SmolLM2-sized lm_heads: ~0.7 s instead of ~12 ms).
     The runtime computes under inference_mode, where nothing is recorded for autograd either way."""
     return nn.Parameter(t, requires_grad=t.is_floating_point())
+
+
+class DenseLinear(nn.Linear):
+    """The runtime's dense (unquantised) linear. One row of bf16/fp16 on CPU goes to ATen's own GEMV instead of
+    oneDNN, whose one-row bf16 matmul streams the weight at a fraction of the memory bandwidth on AVX512-BF16 /
+    AMX CPUs (benchmarks/results/int4_kernels.md, the 49152 x 2048 head); from two rows on oneDNN is the faster.
+    Decode at batch 1 and a prefill's last-position head call are such rows. oneDNN's switch is process state:
+    it is turned off for this one call and restored, whatever happens inside."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and x.numel() == x.shape[-1]
+                and torch.backends.mkldnn.enabled):
+            torch.backends.mkldnn.enabled = False
+            try:
+                return F.linear(x, self.weight, self.bias)
+            finally:
+                torch.backends.mkldnn.enabled = True
+        return F.linear(x, self.weight, self.bias)
 
 
 class QuantLinear(nn.Module):

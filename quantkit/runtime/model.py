@@ -28,7 +28,7 @@ from quantkit.models.safetensors_index import SafetensorsIndex
 from quantkit.models.source import ResolvedModel
 from quantkit.runtime import dispatch
 from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS, QuantConfig, parse_quantization_config
-from quantkit.runtime.linear import QuantLinear, dense_parameter
+from quantkit.runtime.linear import DenseLinear, QuantLinear, dense_parameter
 from quantkit.runtime.moe import install_runtime_moe
 from quantkit.runtime.validate import check_linear_tensors
 
@@ -227,6 +227,9 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
             raise InputError(f"{path}: tensor {ckpt} is missing from the checkpoint")
         owner = _get(model, module_name) if module_name else model
         owner._parameters[leaf] = dense_parameter(_read(index, ckpt, device, dtype))
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = DenseLinear  # same state, the runtime's forward (see DenseLinear)
     for name, buf in list(model.named_buffers()):
         module_name, _, leaf = name.rpartition(".")
         owner = _get(model, module_name) if module_name else model

@@ -230,3 +230,25 @@ def test_tensors_that_disagree_with_the_config_are_named_and_exit_1(w4_tiny, tmp
                                             r"\(groups of 16\) are \[64, 4\]") as info:
         load_model(path)
     assert info.value.exit_code == 1
+
+
+def test_dense_linears_run_one_row_outside_onednn_and_restore_its_switch(tiny_models):
+    """Dense linears of a loaded model are DenseLinear; a single bf16 row matches the float64 product to bf16
+    rounding, more rows too, and oneDNN's process-wide switch is back on afterwards."""
+    from torch import nn
+
+    from quantkit.runtime import load_model
+    from quantkit.runtime.linear import DenseLinear
+
+    rt = load_model(str(tiny_models["llama"]), dtype=torch.bfloat16)
+    dense = [m for m in rt.model.modules() if isinstance(m, nn.Linear)]
+    assert dense and all(type(m) is DenseLinear for m in dense)
+    head = rt.model.get_output_embeddings()
+    assert torch.backends.mkldnn.enabled
+    for rows in (1, 3):
+        x = torch.randn(1, rows, head.in_features).bfloat16()
+        with torch.inference_mode():
+            y = head(x)
+        exact = x.double() @ head.weight.double().t()
+        assert torch.backends.mkldnn.enabled
+        assert ((y.double() - exact).abs() <= 2**-7 * (exact.abs() + 1e-2)).all()
