@@ -456,7 +456,7 @@ void dot_tiles(const DotArgs& A, int64_t isa, int64_t m0, float* y, int64_t ldy)
   });
 }
 
-// Dense fp32 rows [t0 * 16, t1 * 16) of the weight from the tiles (for batches past the GEMV range).
+// The 16 dense fp32 rows of tile t (padded rows included), for batches past the GEMV range.
 void tile_rows(const DotArgs& A, int64_t t, float* out /* [16, K] */) {
   const uint8_t* w = A.tiles + t * (A.K / 8) * 64;
   for (int64_t b = 0; b < A.n_blocks; ++b) {

@@ -1,7 +1,8 @@
 """quantkit's kernels, registered per device type in the order dispatch tries them (see `base.Kernel`).
 
-CPU: the C++ integer-dot kernel for 4-bit weights in 64-column groups (`cpp.Int4DotKernel`: 2x torch's int4
-matmul at batch 1, benchmarks/results/runtime.md), torch's int4 matmul for the other W4A16 shapes it takes and
+CPU: the C++ integer-dot kernel for 4-bit weights in 64-column groups (`cpp.Int4DotKernel`: as fast as torch's
+int4 matmul on AVX512, up to 1.6x on AVX2-only CPUs at batch 1, and within bf16 rounding of the exact product;
+benchmarks/results/int4_kernels.md), torch's int4 matmul for the other W4A16 shapes it takes and
 int8 weight-only matmul for per-channel W8A16 (bf16/fp16 activations), torch's int8 x int8 matmul for W8A8,
 and the C++ dequantising kernel (`cpp.DequantKernel`) for everything else: fp32 activations, group-wise
 W8A16, shapes torch refuses, FP8.

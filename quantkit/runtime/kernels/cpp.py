@@ -209,7 +209,7 @@ class Int4DotKernel:
 
     def supports(self, fmt, device, shape, dtype) -> bool:
         w = fmt.weights
-        n, k = shape
+        k = shape[1]
         return (torch.device(device).type == "cpu" and dtype.is_floating_point and fmt.input is None
                 and w.type == "int" and w.num_bits == 4 and k % 64 == 0 and self._group(fmt, k) is not None
                 and extension() is not None)
@@ -223,7 +223,7 @@ class Int4DotKernel:
             tiles = extension().tile_u4(layer.weight_packed.contiguous().view(torch.uint8), k)
         else:
             tiles = tile_nibbles(unsigned_weight(layer, perm))
-        scale, width, row_block = scale_grid(layer)
+        scale, _, row_block = scale_grid(layer)
         scale = scale.float().expand(n, -1) if row_block > 1 else scale.float()
         zp = zero_grid(layer)
         zscale = None if zp is None else tile_grid(scale * (8.0 + zp.float().expand_as(scale)), n)
