@@ -92,6 +92,12 @@ def test_wheel_install_runs_default_quantisation(tmp_path, smollm2_path):
     manifest = json.loads((out / "quantkit_manifest.json").read_text())
     assert manifest["schema_version"] == 1 and manifest["quantkit_version"] == info["version"]
     assert _run([venv / "bin" / "quantkit", "inspect", out], cwd=work, env=env).returncode == 0
+    # The wheel's own runtime serves the checkpoint with the C++ CPU kernel built from the packaged csrc/
+    # (not the reference fallback a missing source would give).
+    kernels = _run([py, "-c", "import json; from quantkit.runtime import load_model; "
+                    f"print(json.dumps(load_model({str(out)!r}).kernels))"], cwd=work, env=env)
+    assert kernels.returncode == 0, kernels.stderr
+    assert json.loads(kernels.stdout.strip().splitlines()[-1]) == {"w4a16": {"cpu-int4dot": 210}}, kernels.stderr
 
     # The checkpoint loads in transformers + compressed-tensors and runs.
     import torch

@@ -15,8 +15,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-# The source tree's csrc/ (an installed wheel does not ship it yet: QUANTKIT_CSRC points elsewhere).
-CSRC = Path(os.environ.get("QUANTKIT_CSRC") or Path(__file__).resolve().parents[3] / "csrc")
+# The repository's csrc/, shipped in the package as quantkit/_csrc (a symlink in the source tree); QUANTKIT_CSRC
+# points elsewhere.
+CSRC = Path(os.environ.get("QUANTKIT_CSRC") or Path(__file__).parents[2] / "_csrc")
 ARCHS = ("sm_80", "sm_89", "sm_90a")
 BASE_OPTIONS = ("--std=c++17", "-default-device", "-Xptxas", "-v", "-lineinfo")
 

@@ -34,7 +34,8 @@ from quantkit.quant.activations import quantize_activation
 from quantkit.runtime.kernels.base import (NotSupported, Prepared, act_order, finish, flat, scale_grid, signed_weight,
                                            unsigned_weight, zero_grid)
 
-SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "cpu" / "dequant_gemm.cpp"
+# quantkit/_csrc is the repository's csrc/ (a symlink in the source tree, real files in a wheel).
+SOURCE = Path(__file__).parents[2] / "_csrc" / "cpu" / "dequant_gemm.cpp"
 CODES = {"u4": 0, "i8": 1, "e4m3": 2}
 # Batches up to this many rows decode the weight inside the product; larger ones dequantise cache-sized row
 # tiles for the BLAS (the decode is then paid once per tile instead of once per 8 rows of x).
