@@ -121,10 +121,10 @@ def accumulate_hessian(h_sum: torch.Tensor, x: torch.Tensor, matmul_dtype: torch
     return True
 
 
-def dampen(h: torch.Tensor, relative: float, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def dampen(h: torch.Tensor, relative: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Dead inputs (zero diagonal) get diagonal 1 (their weights are then rounded plainly and pass no error
     on); then relative * mean(diag) is added to the diagonal. Returns (damped H, dead mask)."""
-    h = h if inplace else h.clone()
+    h = h.clone()
     diag = torch.diagonal(h, dim1=-2, dim2=-1)
     dead = diag <= 0
     diag[dead] = 1.0
