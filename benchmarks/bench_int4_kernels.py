@@ -55,7 +55,7 @@ def measure() -> dict:
             scale = torch.rand(n, k // 128, generator=gen) * 0.01
             packed = torch._convert_weight_to_int4pack_for_cpu(u.int(), 1)
             table = torch.stack([scale.t(), torch.zeros_like(scale.t())], -1).bfloat16().contiguous()
-            layers.append((cpp.tile_nibbles(u), cpp.tile_grid(scale, n), packed, table))
+            layers.append((cpp.tile_nibbles(u), cpp.tile_grid(scale), packed, table))
         gb = n * k / 2 / 1e9
         read = _best(lambda l: l[0].view(torch.int64).sum(), layers)
         for m in BATCHES:

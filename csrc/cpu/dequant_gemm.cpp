@@ -212,23 +212,31 @@ void dequant_row(const Layout& L, int64_t n, float* out) {
   }
 }
 
-// Batches past the GEMV range: dequantise ~1 MB of rows at a time and let the BLAS multiply it.
-at::Tensor tiled(const Layout& L, const at::Tensor& x, int64_t N) {
-  const int64_t K = L.K, M = x.size(0);
-  const int64_t rows = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(1) << 18) / std::max<int64_t>(K, 1)));
-  at::Tensor buf = at::empty({rows, K}, x.options());
+// Batches past the GEMV range: `fill(row, out)` writes `align` dense fp32 weight rows from `row` into out;
+// `chunk` rows at a time (a multiple of align, ~1 MB) are multiplied by the BLAS in x's dtype.
+template <class Fill>
+at::Tensor rows_through_blas(const at::Tensor& x, int64_t N, int64_t chunk, int64_t align, const Fill& fill) {
+  const int64_t K = x.size(1), M = x.size(0);
+  at::Tensor buf = at::empty({chunk, K}, x.options().dtype(at::kFloat));
   at::Tensor yt = at::empty({N, M}, x.options());
   at::Tensor xt = x.t();
   float* b = buf.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < N; n0 += rows) {
-    const int64_t nb = std::min(rows, N - n0);
-    at::parallel_for(0, nb, 4, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) dequant_row(L, n0 + r, b + r * K);
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t nb = std::min(chunk, N - n0), units = (nb + align - 1) / align;
+    at::parallel_for(0, units, align == 1 ? 4 : 1, [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) fill(n0 + u * align, b + u * align * K);
     });
+    at::Tensor dense = buf.narrow(0, 0, nb);
     at::Tensor out = yt.narrow(0, n0, nb);
-    at::mm_out(out, buf.narrow(0, 0, nb), xt);
+    at::mm_out(out, x.scalar_type() == at::kFloat ? dense : dense.to(x.scalar_type()), xt);
   }
   return yt.t().contiguous();
+}
+
+at::Tensor tiled(const Layout& L, const at::Tensor& x, int64_t N) {
+  const int64_t K = L.K;
+  const int64_t rows = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(1) << 18) / std::max<int64_t>(K, 1)));
+  return rows_through_blas(x, N, rows, 1, [&](int64_t row, float* out) { dequant_row(L, row, out); });
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -533,19 +541,7 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Te
   if (M > gemv_max_rows) {
     // Dense rows of ~1 MB at a time, in x's dtype, multiplied by the BLAS (AMX / AVX512-BF16 for bf16).
     const int64_t per = std::max<int64_t>(1, std::min<int64_t>(n_tiles, ((int64_t(1) << 18) / K + TILE - 1) / TILE));
-    at::Tensor buf = at::empty({per * TILE, K}, x.options().dtype(at::kFloat));
-    at::Tensor yt = at::empty({N, M}, x.options());
-    at::Tensor xt = x.t();
-    for (int64_t t0 = 0; t0 < n_tiles; t0 += per) {
-      const int64_t nt = std::min(per, n_tiles - t0), rows = std::min(nt * TILE, N - t0 * TILE);
-      at::parallel_for(0, nt, 1, [&](int64_t a, int64_t b) {
-        for (int64_t t = a; t < b; ++t) tile_rows(A, t0 + t, buf.data_ptr<float>() + t * TILE * K);
-      });
-      at::Tensor dense = buf.narrow(0, 0, rows);
-      at::Tensor out = yt.narrow(0, t0 * TILE, rows);
-      at::mm_out(out, x.scalar_type() == at::kFloat ? dense : dense.to(x.scalar_type()), xt);
-    }
-    return yt.t().contiguous();
+    return rows_through_blas(x, N, per * TILE, TILE, [&](int64_t row, float* out) { tile_rows(A, row / TILE, out); });
   }
   at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor xq = at::empty({M, 2 * K}, xf.options().dtype(at::kChar));

@@ -173,20 +173,20 @@ def dot_isa() -> int:
 def tile_nibbles(u: torch.Tensor) -> torch.Tensor:
     """Unsigned 4-bit values u [N, K] (0..15, K % 8 == 0) -> the kernel's tiles uint8 [ceil(N/16), K/8, 64]:
     per tile and 8-column step, 4 bytes per row, byte t holding columns t (low nibble) and 4 + t (high)."""
-    n, k = u.shape
-    pad = -n % TILE
-    if pad:
-        u = torch.nn.functional.pad(u, (0, 0, 0, pad))
-    v = u.reshape(-1, TILE, k // 8, 2, 4)  # [tile, row, step, half, t]
+    k = u.shape[1]
+    v = _pad_rows(u).reshape(-1, TILE, k // 8, 2, 4)  # [tile, row, step, half, t]
     return (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous().reshape(-1, k // 8, 64)
 
 
-def tile_grid(grid: torch.Tensor, n: int) -> torch.Tensor:
+def tile_grid(grid: torch.Tensor) -> torch.Tensor:
     """A per-row [N, G] fp32 grid -> [ceil(N/16), G, 16] (padded rows 0)."""
-    pad = -n % TILE
-    if pad:
-        grid = torch.nn.functional.pad(grid, (0, 0, 0, pad))
-    return grid.reshape(-1, TILE, grid.shape[1]).transpose(1, 2).contiguous()
+    return _pad_rows(grid).reshape(-1, TILE, grid.shape[1]).transpose(1, 2).contiguous()
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [ceil(N/16) * 16, C], zero rows appended."""
+    pad = -t.shape[0] % TILE
+    return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
 
 
 @dataclass
@@ -227,9 +227,9 @@ class Int4DotKernel:
         scale, _, row_block = scale_grid(layer)
         scale = scale.float().expand(n, -1) if row_block > 1 else scale.float()
         zp = zero_grid(layer)
-        zscale = None if zp is None else tile_grid(scale * (8.0 + zp.float().expand_as(scale)), n)
+        zscale = None if zp is None else tile_grid(scale * (8.0 + zp.float().expand_as(scale)))
         group = self._group(layer.fmt, k)
-        return Int4Tiles(k, n, layer.bias, tiles, tile_grid(scale, n), zscale, perm, group)
+        return Int4Tiles(k, n, layer.bias, tiles, tile_grid(scale), zscale, perm, group)
 
     def run(self, x: torch.Tensor, p: Int4Tiles) -> torch.Tensor:
         x2 = flat(x, p.in_features)
