@@ -13,16 +13,43 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from quantkit.errors import QuantkitError
-from quantkit.progress import progress_enabled
+from quantkit.errors import InputError, QuantkitError
+from quantkit.progress import OutputConsole, progress_enabled
+
+class _Conventions:
+    """Help in the command-line's usual shape, whatever typer's version renders by default: pure flags take no
+    value, so they show no metavar (newer typer prints `<bool>`, which reads as `--resume yes`); positionals read
+    as UPPERCASE names."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False):
+                param.metavar = ""
+            elif getattr(param, "param_type_name", "") == "argument" and param.name:
+                param.metavar = param.name.upper() + ("..." if param.nargs != 1 else "")
+        return params
+
+
+class _Command(_Conventions, typer.core.TyperCommand):
+    def collect_usage_pieces(self, ctx):
+        # `quantkit eval [OPTIONS] CHECKPOINTS...`: the positionals by name, optional ones in brackets
+        args = [p for p in self.get_params(ctx) if getattr(p, "param_type_name", "") == "argument"]
+        return ["[OPTIONS]"] + [p.metavar if p.required else f"[{p.metavar}]" for p in args]
+
+
+class _Group(_Conventions, typer.core.TyperGroup):
+    pass
+
 
 app = typer.Typer(
+    cls=_Group,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="Compress LLMs: layer-streaming quantisation to compressed-tensors, MLA conversion, evaluation.",
 )
-console = Console()
+console = OutputConsole()
 err_console = Console(stderr=True)
 
 
@@ -59,6 +86,10 @@ def _guarded(debug: bool, fn, *args, **kwargs):
     except QuantkitError as exc:
         if debug:
             traceback.print_exc()
+        from quantkit.distributed import is_worker, leave_worker
+
+        if isinstance(exc, InputError) and is_worker():
+            leave_worker(exc.exit_code)  # every rank refuses the same input: rank 0 says it once
         _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
@@ -95,11 +126,11 @@ def _print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-@app.command()
+@app.command(cls=_Command)
 def quantize(
     model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file or hub id (default: embedded SmolLM2-135M)."),
-    method: Optional[str] = typer.Option(None, "--method", help="rtn, gptq, awq, smoothquant (= smoothquant+rtn), fp8 (data-free with FP8_DYNAMIC/FP8_BLOCK); compose with +, e.g. smoothquant+gptq, awq+gptq."),
-    scheme: Optional[str] = typer.Option(None, "--scheme", help="W4A16, W4A16_ASYM, W8A16, W8A8, W8A8_STATIC, FP8, FP8_DYNAMIC, FP8_BLOCK."),
+    method: Optional[str] = typer.Option(None, "--method", help="rtn, gptq, awq, smoothquant (= smoothquant+rtn), fp8 (data-free with FP8_DYNAMIC/FP8_BLOCK); compose with +, e.g. smoothquant+gptq, awq+gptq (default: the recipe's, else rtn)."),
+    scheme: Optional[str] = typer.Option(None, "--scheme", help="W4A16, W4A16_ASYM, W8A16, W8A8, W8A8_STATIC, FP8, FP8_DYNAMIC, FP8_BLOCK (default: the recipe's, else W4A16)."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Weights per scale (default 128); -1 = per output channel."),
     ignore: Optional[list[str]] = typer.Option(None, "--ignore", help="Module name or re:pattern to leave unquantised (repeatable)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="kjv (built in), a .txt/.jsonl/.json/.parquet/.csv file, or an HF dataset."),
@@ -161,13 +192,17 @@ def quantize(
             return
         summary = quantize_model(rec, out, resume=resume, overwrite=overwrite, offload_dir=offload_dir, device=device,
                                  tp=tp, compute_dtype=_compute_choice(compute_dtype))
+        if summary.get("rank"):  # a data-parallel worker (torchrun): rank 0 reports for the run
+            from quantkit.distributed import leave_worker
+
+            leave_worker(0)
         if as_json:
             _print_json(summary)
         else:
             console.print(
                 f"[green]wrote[/] {summary['output']}  {summary['scheme']} via {summary['method']}  "
-                f"{summary['bits_per_weight']} bits/weight  {summary['output_bytes'] / 1e6:.1f} MB "
-                f"(from {summary['original_bytes'] / 1e6:.1f} MB)  {summary['wall_seconds']:.1f} s  "
+                f"{summary['bits_per_weight']} bits/weight  weights {summary['weights_bytes'] / 1e6:.1f} MB "
+                f"(from {summary['original_bytes'] / 1e6:.1f} MB; folder {summary['output_bytes'] / 1e6:.1f} MB)  {summary['wall_seconds']:.1f} s  "
                 f"peak RSS {summary['peak_rss_bytes'] / 1e6:.0f} MB"
             )
             if summary.get("compute") and not progress_enabled():
@@ -190,8 +225,9 @@ def quantize(
 
 
 def _plan_command(**kwargs) -> None:
-    """Before a long run: peak memory, disk for the output, and the wall time estimated from timing layer 0 on a
-    few samples; exit 2 when the disk cannot hold the output. Takes every `quantize` option."""
+    """Estimate a run's peak memory, output size and wall time before it starts; exit 2 when the disk is too small.
+
+    The wall time comes from timing layer 0 on a few samples. Takes every `quantize` option."""
     quantize(**kwargs, dry_run=True)
 
 
@@ -206,7 +242,7 @@ def _as_plan_signature(fn) -> None:
 
 
 _as_plan_signature(_plan_command)
-app.command("plan")(_plan_command)
+app.command("plan", cls=_Command)(_plan_command)
 
 
 def _print_plan(report: dict) -> None:
@@ -236,7 +272,7 @@ def _print_plan(report: dict) -> None:
         console.print(f"[yellow]warning:[/] tp={w['tp']}: {w['module']} ({w['problem']})", highlight=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 def inspect(
     checkpoint: Path = typer.Argument(..., help="A quantkit output folder."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -265,8 +301,8 @@ def _print_inspect(report: dict) -> None:
     console.print(
         f"scheme {report['scheme']}  format {report['format']}  method {report.get('method') or '?'}  "
         f"{report['bits_per_weight']} bits/weight (quantised linears)  "
-        f"size {report['size_bytes'] / 1e6:.1f} MB vs original {report['original_bytes'] / 1e6:.1f} MB "
-        f"({report['size_ratio']:.3f}x)"
+        f"weights {report['size_bytes'] / 1e6:.1f} MB vs original {report['original_bytes'] / 1e6:.1f} MB "
+        f"({report['size_ratio']:.3f}x; folder {report['folder_bytes'] / 1e6:.1f} MB)"
     )
     table = Table(title="per layer")
     for col in ("layer", "quantised linears", "rel. output error", "seconds"):
@@ -279,7 +315,7 @@ def _print_inspect(report: dict) -> None:
     console.print(status)
 
 
-@app.command("convert-mla")
+@app.command("convert-mla", cls=_Command)
 def convert_mla(
     model: Optional[str] = typer.Option(None, "--model", help="Llama/Mistral/Qwen2 HF folder, .gguf or hub id (default: embedded SmolLM2-135M)."),
     kv_lora_rank: Optional[str] = typer.Option(None, "--kv-lora-rank", help="Latent size per token and layer, or 'full' (exact maximum). Default: n_kv*head_dim/2."),
@@ -355,7 +391,7 @@ def _print_mla(report: dict) -> None:
         console.print(f"plot: {report['plot']}")
 
 
-@app.command("eval")
+@app.command("eval", cls=_Command)
 def eval_cmd(
     checkpoints: list[Path] = typer.Argument(..., help="Checkpoint folders (compressed-tensors or plain HF)."),
     baseline: Optional[str] = typer.Option(None, "--baseline", help="Reference model (default: the model the checkpoint was made from)."),
@@ -387,6 +423,10 @@ def eval_cmd(
     moe: bool = typer.Option(False, "--moe", help="MoE routing analysis: load per expert, routing drift against the baseline, capacity-aware inference, bias balancing, expert offloading."),
     moe_samples: int = typer.Option(8, "--moe-samples", help="Token blocks (the first of the eval set) for the --moe drift, capacity, bias and offload runs."),
     offload_cache: Optional[list[int]] = typer.Option(None, "--offload-cache", help="With --moe: experts per layer kept resident in the offload runs (repeatable; k..E). Default: E/2."),
+    engine: str = typer.Option("quantkit", "--engine", help="quantkit (its own runtime) or vllm (score and time the checkpoints in vLLM; needs vLLM)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="With --engine vllm: vLLM's tensor-parallel size."),
+    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="With --engine vllm: the Python that has vLLM (default $QUANTKIT_VLLM_PYTHON, else this one)."),
+    top_logprobs: int = typer.Option(20, "--top-logprobs", help="With --engine vllm: log-probabilities per position for the KL (top-k)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Evaluate checkpoints against a baseline: perplexity, KL divergence, top-1, delta-p, tasks, throughput, gates."""
@@ -407,7 +447,8 @@ def eval_cmd(
             checkpoints=list(checkpoints), baseline=baseline, dataset=dataset, num_samples=num_samples,
             seq_len=seq_len, seed=seed, text_column=text_column, tasks=list(tasks or []), lm_eval_tasks=lm_eval,
             throughput=throughput, device=device, dtype=dtype, batch_size=batch_size, max_kl=max_kl,
-            max_ppl_increase=max_ppl_increase, min_top1=min_top1, kernels=kernels, moe=moe,
+            max_ppl_increase=max_ppl_increase, min_top1=min_top1, kernels=kernels, moe=moe, engine=engine,
+            tensor_parallel_size=tensor_parallel_size, vllm_python=vllm_python, top_logprobs=top_logprobs,
             speculative=SpecOptions(draft=speculative, draft_tokens=draft_tokens, tree=tree, prompts=prompts,
                                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                     grid=speculative_grid, save_outputs=save_outputs),
@@ -438,7 +479,7 @@ def eval_cmd(
     _guarded(debug, body)
 
 
-@app.command("check-serving")
+@app.command("check-serving", cls=_Command)
 def check_serving_cmd(
     checkpoint: Path = typer.Argument(..., help="A checkpoint folder (compressed-tensors or plain HF)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size vLLM will serve with."),
@@ -492,7 +533,7 @@ def _print_serving(report: dict) -> None:
     console.print(f"[dim]kernel facts: {report['facts']['source']}[/]", highlight=False)
 
 
-@app.command()
+@app.command(cls=_Command)
 def release(
     recipe: Path = typer.Argument(..., help="Release recipe YAML (base model, variants, calibration, evaluation, gates); a built-in name works too."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Release folder (default: the recipe's `output`, else release-NAME)."),
@@ -503,8 +544,10 @@ def release(
     as_json: bool = typer.Option(False, "--json", help="Print release.json on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Quantise every variant of a release recipe, evaluate them against the base in one pass, apply the gates,
-    write a model card into each checkpoint and release.md/release.json. Exit 3 when a gate fails."""
+    """Quantise and evaluate every variant of a release recipe, gate them and write cards; exit 3 when a gate fails.
+
+    The variants are evaluated against the base in one pass; each checkpoint gets a model card, the release
+    release.md and release.json."""
 
     def body():
         from quantkit.release import ReleaseOptions, failed_gates, run_release

@@ -43,7 +43,10 @@ def inspect_checkpoint(folder: Path) -> dict:
     manifest = read_manifest(folder) if manifest_path.is_file() else None
     mismatches = verify_manifest(folder) if manifest else [f"{MANIFEST} (missing)"]
     stats = quantized_weight_stats(folder)
-    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    from quantkit.formats.manifest import file_sizes
+
+    sizes = file_sizes({p.name: {"bytes": p.stat().st_size} for p in folder.iterdir() if p.is_file() and p.name != MANIFEST})
+    size = sizes["weights_bytes"]
     original = (manifest or {}).get("source", {}).get("bytes") or size
     per_layer: dict[int, dict] = {}
     from quantkit.models.safetensors_index import SafetensorsIndex
@@ -68,7 +71,8 @@ def inspect_checkpoint(folder: Path) -> dict:
         "ignore": qc.get("ignore"),
         "bits_per_weight": stats["bits_per_weight"],
         "model_bits_per_param": stats["model_bits_per_param"],
-        "size_bytes": size,
+        "size_bytes": size,  # the weights (*.safetensors)
+        "folder_bytes": sizes["output_bytes"],
         "original_bytes": original,
         "size_ratio": size / original if original else 1.0,
         "layers": layers,

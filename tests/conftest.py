@@ -9,6 +9,12 @@ import pytest
 import torch
 
 os.environ.setdefault("QUANTKIT_NO_PROGRESS", "1")
+# Never the user's ~/.cache/quantkit: the suite's converted models and generated data live in the checkout (kept
+# between runs, so the embedded GGUF is converted once), unless the caller names a cache (CI does).
+os.environ.setdefault("QUANTKIT_CACHE", str(Path(__file__).resolve().parents[1] / ".cache-test"))
+
+# A failed assertion names tensors in its explanation: a few items each, not whole tensors.
+torch.set_printoptions(threshold=16, edgeitems=2, linewidth=120)
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)

@@ -151,3 +151,81 @@ def test_help_lists_all_commands():
     result = runner.invoke(app, ["--help"])
     for command in ("quantize", "convert-mla", "eval", "inspect"):
         assert command in result.output
+
+
+def _commands():
+    import typer.main
+
+    return sorted(typer.main.get_command(app).commands.items())
+
+
+@pytest.mark.parametrize("name,command", _commands(), ids=[n for n, _ in _commands()])
+def test_help_follows_command_line_conventions(name, command):
+    """Flags show no value, positionals are UPPERCASE in usage and table, required ones are marked."""
+    import re
+
+    result = runner.invoke(app, [name, "--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    text = result.output
+    usage = next(line for line in text.splitlines() if "Usage:" in line)
+    flags = [p for p in command.params if getattr(p, "is_flag", False)]
+    assert flags and "--help" in text
+    for flag in [*flags, None]:
+        opt = "--help" if flag is None else flag.opts[0]
+        row = next(line for line in text.splitlines() if re.search(rf"\s{re.escape(opt)}\s", line))
+        after = row.split(opt, 1)[1].split()
+        assert not after or not after[0].startswith("<"), f"{opt} shows a value: {row.strip()}"
+    for arg in [p for p in command.params if p.param_type_name == "argument"]:
+        upper = arg.name.upper()
+        assert re.search(rf"\b{upper}\b", usage) and "{" not in usage, usage
+        row = next(line for line in text.splitlines() if upper in line and "Usage" not in line)
+        assert arg.required and "*" in row and "[required]" in text
+
+
+def test_command_list_has_one_line_summaries():
+    result = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    rows = [line for line in result.output.splitlines() if line.startswith("│")]
+    names = [n for n, _ in _commands()]
+    listed = [line.split()[1] for line in rows if len(line.split()) > 1 and line.split()[1] in names]
+    assert sorted(listed) == names
+    # a command's summary continues on its own row only when the terminal is narrow: at 200 columns none does
+    after = {line.split()[1]: i for i, line in enumerate(rows) if len(line.split()) > 1 and line.split()[1] in names}
+    for name, i in after.items():
+        nxt = rows[i + 1].split() if i + 1 < len(rows) else []
+        assert not nxt or nxt[1] in names or nxt[0].startswith("╰"), f"{name}'s summary wraps: {rows[i + 1]}"
+
+
+def test_inspect_table_keeps_every_value_whole_when_piped(tmp_path, tiny_models):
+    out = tmp_path / ("checkpoint-with-a-name-long-enough-to-overflow-eighty-columns-" + "x" * 40)
+    assert _quantize(*_base(tmp_path, tiny_models["llama"])[:-1], str(out)).exit_code == 0
+    shown = runner.invoke(app, ["inspect", str(out)])
+    report = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)
+    assert shown.exit_code == 0 and "…" not in shown.stdout
+    assert out.name in shown.stdout
+    for layer in report["layers"]:
+        assert f"{layer['rel_error']:.5f}" in shown.stdout
+
+
+def test_convert_mla_reports_progress_lines_when_not_a_terminal(tmp_path, tiny_models):
+    import re
+
+    result = runner.invoke(app, ["convert-mla", "--model", str(tiny_models["llama"]), "--output", str(tmp_path / "m"),
+                                 "--num-samples", "8", "--seq-len", "64", "--refine-steps", "1500"],
+                           env={"QUANTKIT_NO_PROGRESS": None, "QUANTKIT_PROGRESS_INTERVAL": "0.2"})
+    assert result.exit_code == 0, result.output
+    stamps = [float(m) for m in re.findall(r"^\[\s*([0-9.]+) s\] convert-mla layers \d+/2", result.stderr, re.M)]
+    assert stamps, result.stderr
+    # the timer runs whether or not a layer finished: no gap between lines (or before the first) over 5 intervals
+    assert len(stamps) >= 2 and all(b - a <= 1.0 for a, b in zip([0.0, *stamps], stamps)), stamps
+
+
+def test_quantize_and_inspect_name_the_same_two_sizes(tmp_path, tiny_models):
+    out = tmp_path / "out"
+    made = json.loads(_quantize(*_base(tmp_path, tiny_models["llama"]), "--json").stdout)
+    shown = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)
+    weights = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    folder = sum(p.stat().st_size for p in out.iterdir() if p.is_file() and p.name != "quantkit_manifest.json")
+    assert made["weights_bytes"] == shown["size_bytes"] == weights
+    assert made["output_bytes"] == shown["folder_bytes"] == folder > weights
+    text = _quantize(*_base(tmp_path, tiny_models["llama"]), "--overwrite").stdout
+    assert f"weights {weights / 1e6:.1f} MB" in text and f"folder {folder / 1e6:.1f} MB" in text

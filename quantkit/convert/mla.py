@@ -34,6 +34,7 @@ frequency are independent complex numbers, and a single shared one carries only 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -282,11 +283,14 @@ def mla_attention(x: torch.Tensor, q_proj: torch.Tensor, latent: torch.Tensor, r
 
 
 def refine_attention(new: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor, dims: MLADims,
-                     steps: int, lr: float, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
+                     steps: int, lr: float, seed: int = 0, floor: float = 0.0) -> tuple[dict[str, torch.Tensor], dict]:
     """Fit q_proj, the latent, the RoPE key and kv_b_proj (o_proj fixed) so the MLA attention output on x
     [N, L, H] matches the source layer's attention output `target` (mean squared error), starting from the
     closed-form conversion `new`. The last eighth of the sequences is held out; the refined tensors are kept
-    only if they lower the held-out error. Returns (tensors, {"before", "after"} relative held-out errors)."""
+    only if they lower the held-out error by more than `floor`, the relative squared error the target carries from
+    its own rounding (the source forward's dtype): below it a fit learns that rounding, not the layer, and moves an
+    exact closed form away from the source. A closed form already within `floor` is kept without steps.
+    Returns (tensors, {"before", "after"} relative held-out errors)."""
     r = dims.kv_lora_rank
     f32 = torch.float32
     small = math.sqrt(MLA_NORM_EPS) / float(new["kv_a_layernorm.weight"][0])  # the latent rows were scaled by this
@@ -309,6 +313,8 @@ def refine_attention(new: dict[str, torch.Tensor], x: torch.Tensor, target: torc
             return float((out - ts).pow(2).sum() / ts.pow(2).sum())
 
     before = rel_error(params, x_val, t_val)
+    if before <= floor:
+        return new, {"before": round(before, 6), "after": round(before, 6), "skipped": "closed form at the target's precision"}
     trained = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     opt = torch.optim.Adam([{"params": [p], "lr": lr * float(p.detach().pow(2).mean().sqrt())}
                             for p in trained.values()])
@@ -326,7 +332,7 @@ def refine_attention(new: dict[str, torch.Tensor], x: torch.Tensor, target: torc
             opt.step()
     after = rel_error(trained, x_val, t_val)
     report = {"before": round(before, 6), "after": round(after, 6)}
-    if not after < before:
+    if not after < before - floor:
         return new, report
     f64 = torch.float64
     latent = trained["latent"].detach().to(f64)
@@ -481,7 +487,7 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
 @torch.no_grad()
 def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: str = "kjv",
                   num_samples: int = 32, seq_len: int = 512, seed: int = 42, overwrite: bool = False,
-                  batch_size: int = 4, on_layer=None, attention_fn=None) -> dict:
+                  batch_size: int = 4, attention_fn=None) -> dict:
     """Stream the source model layer by layer and write the converted DeepSeek-V3 folder atomically."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -512,14 +518,19 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
     cfg["dtype"] = str(dtype).replace("torch.", "")
     tied = cfg["tie_word_embeddings"]
     from quantkit.compute import choose_compute_dtype, matmul_shapes
-    from quantkit.progress import announce
+    from quantkit.progress import announce, progress_bar
 
     compute = choose_compute_dtype(opts.compute_dtype, handle.source_dtype(), "cpu", matmul_shapes(config))
     announce(compute.describe())
     run_dtype = torch.float32 if compute.autocast else compute.dtype
+    # The refinement's targets come from the source forward: bf16 (autocast or a bf16 model) rounds them to ~eps.
+    target_floor = torch.finfo(torch.bfloat16 if compute.autocast else run_dtype).eps ** 2
 
     partial = prepare_output(output, overwrite)
+    stack = contextlib.ExitStack()
     try:
+        progress = stack.enter_context(progress_bar())
+        layer_task = progress.add_task("convert-mla layers", total=handle.num_layers, info="")
         writer = PlannedShardWriter(partial, _tensor_specs(dims, cfg, dtype, tied))
         emb = handle.index.get(handle.embedding_path() + ".weight").to(torch.float32) * alpha
         writer.write("model.embed_tokens.weight", emb.to(dtype))
@@ -566,7 +577,7 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
                     next_hidden = [run_layer(layer, h, calls[j][i]) for j, h in enumerate(hidden)]
                 hook.remove()
                 new, refine_report = refine_attention(new, torch.cat(normed), torch.cat(outputs).float() * alpha, dims,
-                                                      opts.refine_steps, opts.refine_lr, seed)
+                                                      opts.refine_steps, opts.refine_lr, seed, target_floor)
                 del outputs
             else:
                 next_hidden = None
@@ -585,8 +596,8 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
                     next_hidden = [run_layer(layer, h, calls[j][i]) for j, h in enumerate(hidden)]
             hidden = next_hidden
             layers_report.append({"layer": i, **({"refine": refine_report} if refine_report else {})})
-            if on_layer:
-                on_layer(i, handle.num_layers)
+            progress.update(layer_task, advance=1, info=f"layer {i}" + (
+                f" attention error {refine_report['before']:.2e} -> {refine_report['after']:.2e}" if refine_report else ""))
             del layer
         norm_name = handle.adapter.layers_path.rpartition(".")[0] + ".norm.weight"
         norm = handle.index.get(norm_name).to(torch.float32)
@@ -629,6 +640,8 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    finally:
+        stack.close()
     if output.exists():
         shutil.rmtree(output)
     partial.rename(output)

@@ -78,3 +78,31 @@ def summarize(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     for q in PERCENTILES:
         out[f"delta_p_p{q}"] = percentile(dp, q)
     return out
+
+
+TOPK_KL = ("KL between the baseline's and the candidate's next-token distributions coarse-grained to {the "
+           "baseline's top-k tokens, every other token}: a lower bound of the full KL (coarse-graining never raises "
+           "a divergence), equal to it when both put all their mass on those k tokens; a baseline top-k token outside "
+           "the candidate's top-k gets an equal share of the candidate's remaining mass, at most its k-th probability")
+
+
+def topk_token_stats(base: dict[str, torch.Tensor], cand: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-token statistics from top-k log-probabilities, as a serving engine reports them (vLLM's
+    prompt_logprobs): `actual` [T] (log-probability of the real next token), `top_ids` [T, k] and `top_logprobs`
+    [T, k] (sorted, most likely first). Same fields as `token_stats`; the KL is `TOPK_KL`."""
+    lb, lc = base["top_logprobs"].double(), cand["top_logprobs"].double()
+    pb = lb.exp()
+    match = base["top_ids"][:, :, None] == cand["top_ids"][:, None, :]  # [T, kb, kc]
+    found = match.any(-1)
+    q = (match.double() * lc.exp()[:, None, :]).sum(-1)  # the candidate's probability of each baseline top-k token
+    left = (1.0 - lc.exp().sum(-1)).clamp_min(0.0)  # the candidate's mass outside its own top-k
+    missing = (~found).sum(-1, keepdim=True)
+    share = torch.minimum(left[:, None] / (missing + 1), lc[:, -1:].exp())
+    q = torch.where(found, q, share).clamp_min(1e-30)
+    p_rest = (1.0 - pb.sum(-1)).clamp_min(0.0)
+    q_rest = (1.0 - q.sum(-1)).clamp_min(1e-30)
+    kl = (pb * (lb - q.log())).sum(-1) + torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(1e-30).log() - q_rest.log()),
+                                                     torch.zeros_like(p_rest))
+    return {"kl": kl.clamp_min(0.0), "nll": -cand["actual"].double(), "nll_base": -base["actual"].double(),
+            "top1": (base["top_ids"][:, 0] == cand["top_ids"][:, 0]).double(),
+            "p": cand["actual"].double().exp(), "p_base": base["actual"].double().exp()}

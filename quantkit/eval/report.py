@@ -38,6 +38,12 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines + [""]
 
 
+def throughput_columns(report: dict) -> tuple[str, ...]:
+    """quantkit's runtime measures prefill / decode / TTFT; `--engine vllm` measures generation throughput."""
+    keys = {k for _, r in _rows_with_baseline(report) for k in r.get("throughput", {})}
+    return tuple(c for c in THROUGHPUT_COLUMNS if c in keys) or tuple(sorted(keys))
+
+
 def _rows_with_baseline(report: dict) -> list[tuple[str, dict]]:
     return [("baseline", report["baseline"])] + [(r["checkpoint"], r) for r in report["results"]]
 
@@ -47,7 +53,12 @@ def render_markdown(report: dict) -> str:
     out = ["# quantkit eval", "",
            f"Baseline `{report['baseline']['model']}` (perplexity {report['baseline']['ppl']}); data `{data['source']}` "
            f"split {data['split']}, {data['num_samples']} x {data['seq_len']} tokens ({data['tokens_scored']} scored), "
-           f"device {report['device']}.", "", "## Quality", ""]
+           f"device {report['device']}.", ""]
+    if report.get("engine", {}).get("name") == "vllm":
+        e = report["engine"]
+        out += [f"Scored by vLLM (tensor-parallel size {e['tensor_parallel_size']}). KL: top-{e['top_logprobs']} "
+                f"{e['kl']}.", ""]
+    out += ["## Quality", ""]
     out += _table(["checkpoint", *QUALITY_COLUMNS], [[r["checkpoint"], *(r.get(c) for c in QUALITY_COLUMNS)]
                                                      for r in report["results"]])
     out += ["## Kernels (quantised linears served by each)", ""]
@@ -65,8 +76,9 @@ def render_markdown(report: dict) -> str:
                        for name, r in _rows_with_baseline(report)])
     if any("throughput" in r for _, r in _rows_with_baseline(report)):
         out += ["## Throughput", ""]
-        out += _table(["model", *THROUGHPUT_COLUMNS], [[name, *(r.get("throughput", {}).get(c) for c in THROUGHPUT_COLUMNS)]
-                                                     for name, r in _rows_with_baseline(report)])
+        cols = throughput_columns(report)
+        out += _table(["model", *cols], [[name, *(r.get("throughput", {}).get(c) for c in cols)]
+                                         for name, r in _rows_with_baseline(report)])
     spec = speculative_rows(report)
     if spec:
         out += ["## Speculative decoding", ""]
@@ -188,7 +200,7 @@ def write_plots(folder: Path, report: dict, token_kl: dict) -> list[str]:
 
     rows = [(name, r["throughput"]) for name, r in _rows_with_baseline(report) if "throughput" in r]
     if rows:
-        metrics = ("prefill_tok_s", "decode_tok_s_b1", "decode_tok_s_b8")
+        metrics = tuple(c for c in throughput_columns(report) if c.endswith("tok_s") or "_tok_s_" in c)
         fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 4))
         for ax, metric in zip(axes, metrics):
             ax.bar([Path(n).name for n, _ in rows], [t.get(metric, 0) for _, t in rows])
@@ -245,6 +257,9 @@ def print_table(console, report: dict) -> None:
             console.print(f"{name}: task {task} acc {m['acc']} acc_norm {m['acc_norm']} (n={m['n']})")
         if "throughput" in r:
             t = r["throughput"]
+            if "prefill_tok_s" not in t:  # measured by vLLM
+                console.print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in t.items()), highlight=False)
+                continue
             console.print(f"{name}: prefill {t['prefill_tok_s']} tok/s, decode b1 {t.get('decode_tok_s_b1')} tok/s, "
                           f"b8 {t.get('decode_tok_s_b8')} tok/s, ttft {t['ttft_ms']} ms, peak {t['peak_memory_bytes'] / 1e6:.0f} MB"
                           + (f", weights {t['resident_weight_bytes'] / 1e6:.1f} MB resident" if "resident_weight_bytes" in t else ""))

@@ -45,6 +45,10 @@ class EvalOptions:
     kernels: str = "auto"  # auto | reference (runtime/dispatch.py)
     moe: bool = False  # routing analysis (quantkit/eval/moe.py)
     moe_options: object | None = None  # MoEEvalOptions; None = the defaults
+    engine: str = "quantkit"  # quantkit (its own runtime) | vllm (quantkit/eval/vllm_engine.py)
+    tensor_parallel_size: int = 1  # --engine vllm
+    vllm_python: str | None = None  # --engine vllm: the interpreter that has vLLM
+    top_logprobs: int = 20  # --engine vllm: log-probabilities per position the KL is computed from
 
 
 @dataclass
@@ -173,6 +177,14 @@ def run_eval(opts: EvalOptions) -> EvalRun:
     from quantkit.data.calibration import build_token_blocks
     from quantkit.models.source import resolve_model
 
+    if opts.engine == "vllm":
+        from quantkit.eval.vllm_engine import run_vllm_eval
+
+        return run_vllm_eval(opts)
+    if opts.engine != "quantkit":
+        raise InputError(f"unknown --engine {opts.engine!r}: use quantkit or vllm")
+    if opts.tensor_parallel_size != 1:
+        raise InputError("--tensor-parallel-size needs --engine vllm (quantkit's runtime runs on one device)")
     validate_options(opts)
     device = resolve_device(opts.device)
     checkpoints = [check_checkpoint(Path(c)) for c in opts.checkpoints]

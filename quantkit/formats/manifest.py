@@ -101,7 +101,7 @@ def write_manifest(folder: Path, recipe, summary: dict, handle) -> dict:
         "peak_rss_bytes": summary["peak_rss_bytes"],
         "scheme": summary["scheme"],
         "method": summary["method"],
-        "output_bytes": sum(f["bytes"] for f in files.values()),
+        **file_sizes(files),
         **stats,
         "layers": summary["layers"],
         "events": summary["events"],
@@ -144,3 +144,11 @@ def verify_manifest(folder: Path) -> list[str]:
         if not path.is_file() or path.stat().st_size != meta["bytes"] or sha256_file(path) != meta["sha256"]:
             bad.append(name)
     return bad
+
+
+def file_sizes(files: dict[str, dict]) -> dict[str, int]:
+    """The two sizes a checkpoint has, named apart: `weights_bytes` (its *.safetensors files, what a runtime
+    loads) and `output_bytes` (every file of the folder the manifest lists: weights, config, tokenizer, recipe;
+    all but the manifest itself, a few kB, so that `plan` can predict it exactly)."""
+    return {"weights_bytes": sum(f["bytes"] for n, f in files.items() if n.endswith(".safetensors")),
+            "output_bytes": sum(f["bytes"] for f in files.values())}

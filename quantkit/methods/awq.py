@@ -217,10 +217,11 @@ class _InputStats:
 
     def add(self, x: torch.Tensor, with_h: bool) -> None:
         x2 = x.detach().reshape(-1, x.shape[-1])
-        a = x2.abs().sum(0, dtype=torch.float32)
+        # Per-batch terms in float32, their sums in float64: exact, however the batches are split over ranks.
+        a = x2.abs().sum(0, dtype=torch.float32).double()
         if with_h:
             xm = x2 if x2.dtype in (torch.bfloat16, torch.float16, torch.float32) else x2.float()
-            xtx = (xm.t() @ xm).float()
+            xtx = (xm.t() @ xm).double()
         # Any inf/NaN input reaches the column sums; a finite diagonal bounds every entry of x^T x.
         if not torch.isfinite(a).all() or (with_h and not torch.isfinite(xtx.diagonal()).all()):
             self.bad_batches += 1
@@ -231,7 +232,7 @@ class _InputStats:
         self.tokens += x2.shape[0]
 
     def mean_abs(self) -> torch.Tensor | None:
-        return None if self.abs_sum is None or not self.tokens else self.abs_sum / self.tokens
+        return None if self.abs_sum is None or not self.tokens else (self.abs_sum / self.tokens).float()
 
 
 @dataclass
@@ -331,13 +332,50 @@ class AWQ(Method):
         def hook(module, args, kwargs):
             if mp.sampled >= self.config.search_tokens:
                 return
-            x = args[0] if args else kwargs.get("hidden_states")
-            if not isinstance(x, torch.Tensor):
+            if not isinstance(_sample_input(args, kwargs), torch.Tensor):
                 return
             mp.samples.append((tuple(args), dict(kwargs)))
-            mp.sampled += x.numel() // x.shape[-1]
+            mp.sampled += _tokens_of(args, kwargs)
 
         return hook
+
+    def reduce_statistics(self, ranks) -> None:
+        named = {}
+        for name, st in self._stats.items():
+            named[f"{name}\0tokens"] = torch.tensor([st.tokens, st.bad_batches])
+            for part in ("abs_sum", "h"):
+                if getattr(st, part) is not None:
+                    named[f"{name}\0{part}"] = getattr(st, part)
+        sources = {}
+        for part in ranks.gather({n: st.source for n, st in self._stats.items()}):
+            for n, src in part.items():
+                sources[n] = sources.get(n) or src
+        self._stats = {}
+        for key, value in ranks.reduce(named, "sum").items():
+            name, part = key.split("\0")
+            st = self._stats.setdefault(name, _InputStats(source=sources.get(name)))
+            if part == "tokens":
+                st.tokens, st.bad_batches = int(value[0]), int(value[1])
+            else:
+                setattr(st, part, value)
+        # The block losses run on the first whole batches of the run, up to search_tokens, as in one process:
+        # each rank's first batches, in rank order, cut where one process would stop sampling.
+        for mp in self._mappings:
+            if mp.parent is None:
+                continue
+            sizes = ranks.gather([_tokens_of(a, k) for a, k in mp.samples])
+            kept, total = [], 0
+            for r, part in enumerate(sizes):
+                for i, n in enumerate(part):
+                    if total < self.config.search_tokens:
+                        kept.append((r, i))
+                        total += n
+            samples = []
+            for r in range(ranks.world):
+                take = sum(1 for owner, _ in kept if owner == r)
+                if take:
+                    samples += ranks.broadcast(mp.samples[:take] if ranks.rank == r else None, src=r)
+            mp.samples, mp.sampled = samples, total
 
     # ----- search, fold, clip, quantise ----------------------------------------------------------------
 
@@ -430,7 +468,7 @@ class AWQ(Method):
                 for t in quantised:
                     modules[t].weight.data.copy_(saved[t])
         else:
-            h = st.h / max(st.tokens, 1)
+            h = (st.h / max(st.tokens, 1)).float()
             if leader in rescale:
                 r = rescale[leader]
                 h = h / (r[:, None] * r[None, :])
@@ -500,7 +538,7 @@ class AWQ(Method):
         st = self._stats.get(leader)
         h = None
         if st is not None and st.h is not None and st.tokens:
-            h = st.h / st.tokens
+            h = (st.h / st.tokens).float()
             r = rescale.get(leader)
             if r is not None:
                 h = h / (r[:, None] * r[None, :])
@@ -534,6 +572,15 @@ def elementwise_threads(device: torch.device):
         yield
     finally:
         torch.set_num_threads(prev)
+
+
+def _sample_input(args, kwargs):
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def _tokens_of(args, kwargs) -> int:
+    x = _sample_input(args, kwargs)
+    return x.numel() // x.shape[-1]
 
 
 def _first(out):

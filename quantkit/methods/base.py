@@ -16,7 +16,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from quantkit.errors import InputError
+from quantkit.distributed import SINGLE, Ranks
+from quantkit.errors import InputError, RunError
 from quantkit.quant.weights import dequantize_any
 from quantkit.quant.schemes import Scheme
 
@@ -49,6 +50,7 @@ class LayerContext:
     # it, since a bf16 product is ~10x faster than fp32 on AMX CPUs and ~30x slower on AVX2-only ones.
     matmul_dtype: torch.dtype = torch.float32
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of this layer (see `phase`)
+    ranks: Ranks = SINGLE  # data-parallel calibration: this process's place among the ranks
 
     @contextmanager
     def phase(self, name: str):
@@ -106,6 +108,12 @@ class Method:
 
     def attach(self, ctx: LayerContext) -> list[torch.utils.hooks.RemovableHandle]:
         return []
+
+    def reduce_statistics(self, ranks: Ranks) -> None:
+        """Data-parallel calibration: combine this rank's statistics with every other rank's (`ranks.reduce`),
+        so that `apply` sees the whole run's. Sums are kept in float64 (exact, so independent of the split)."""
+        if self.uses_statistics:
+            raise RunError(f"{self.name} cannot calibrate data-parallel yet; run it in one process")
 
     def apply(self, ctx: LayerContext) -> None:
         raise NotImplementedError

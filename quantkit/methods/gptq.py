@@ -369,7 +369,9 @@ class GPTQ(Method):
                     return
                 with ctx.phase("statistics"):
                     if name not in self._sums:
-                        self._sums[name] = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float32,
+                        # float64: the sum of the per-batch float32 products is then exact (see
+                        # quantkit.distributed), the same however the batches are split over ranks.
+                        self._sums[name] = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float64,
                                                        device=x.device)
                         self._tokens[name] = 0
                     if accumulate_hessian(self._sums[name], x.detach(), mm_dtype):
@@ -380,6 +382,14 @@ class GPTQ(Method):
             return fn
 
         return [m.register_forward_hook(hook(n)) for n, m in ctx.targets.items()]
+
+    def reduce_statistics(self, ranks) -> None:
+        self._sums = ranks.reduce(self._sums, "sum")
+        names = sorted(set(self._tokens) | set(self._bad_batches))
+        counts = ranks.reduce({n: torch.tensor([self._tokens.get(n, 0), self._bad_batches.get(n, 0)])
+                               for n in names}, "sum")
+        self._tokens = {n: int(c[0]) for n, c in counts.items() if n in self._sums}
+        self._bad_batches = {n: int(c[1]) for n, c in counts.items() if int(c[1])}
 
     def apply(self, ctx: LayerContext) -> None:
         self._shared.release()
@@ -412,7 +422,7 @@ class GPTQ(Method):
                     ctx.warn(name, f"gptq: {why}; fell back to RTN")
                     self._rtn(ctx, name, reason="no-tokens")
                 continue
-            h = self._sums.pop(leader).mul_(2.0 / tokens)  # in place: no second copy of any Hessian
+            h = self._sums.pop(leader).mul_(2.0 / tokens).float()  # the float64 sum is freed here
             rows = [ctx.targets[name].weight.shape[0] for name in names]
             problems.append(_Problem(names, None, h, rows))
         self._sums = {}
@@ -425,12 +435,47 @@ class GPTQ(Method):
             key = (sum(p.rows), p.h.shape[0]) if cfg.batch_problems else (id(p),)
             by_shape.setdefault(key, []).append(p)
         del problems
+        units: list[list[_Problem]] = []
         for key in sorted(by_shape, key=lambda k: by_shape[k][0].h.shape[0]):
             batch = by_shape.pop(key)
-            while batch:
-                chunk, batch = batch[:16], batch[16:]
-                self._solve(ctx, chunk)
-                del chunk
+            units.extend(batch[i : i + 16] for i in range(0, len(batch), 16))
+        if ctx.ranks.distributed:
+            self._solve_spread(ctx, units)
+            return
+        while units:
+            self._solve(ctx, units.pop(0))
+
+    def _solve_spread(self, ctx: LayerContext, units: list[list["_Problem"]]) -> None:
+        """Data-parallel run: each rank solves its share of the units (longest first onto the least loaded
+        rank), then every rank takes every unit's results in unit order, so weights, errors, warnings and the
+        report are those of one process solving them all."""
+        ranks = ctx.ranks
+        owner = ranks.spread([sum(sum(p.rows) * p.h.shape[0] ** 2 + p.h.shape[0] ** 3 / 3 for p in unit) for unit in units])
+        events0, report0 = len(ctx.events), len(self.report)
+        mine = []
+        for u, unit in enumerate(units):
+            names = [n for p in unit for n in p.names]
+            if owner[u] != ranks.rank:
+                for p in unit:
+                    p.h = p.weight = None
+                continue
+            e0, r0 = len(ctx.events), len(self.report)
+            self._solve(ctx, unit)
+            mine.append((u, {n: _to_cpu(ctx.results[n]) for n in names},
+                         {n: ctx.linear_errors[n] for n in names if n in ctx.linear_errors},
+                         ctx.events[e0:], self.report[r0:]))
+        del ctx.events[events0:], self.report[report0:]
+        for name in [n for _, results, *_ in mine for n in results]:
+            ctx.linear_errors.pop(name, None)
+        device = next(iter(ctx.targets.values())).weight.device
+        for u, results, errors, events, report in sorted((x for part in ranks.gather(mine) for x in part),
+                                                         key=lambda x: x[0]):
+            for name, result in results.items():
+                if owner[u] != ranks.rank:  # this rank's own results are in place already
+                    ctx.set_quantized(name, _to_device(result, device))
+            ctx.linear_errors.update(errors)
+            ctx.events.extend(events)
+            self.report.extend(report)
 
     @staticmethod
     def _weights(ctx: LayerContext, p: _Problem) -> torch.Tensor:
@@ -557,3 +602,12 @@ class GPTQ(Method):
                 ctx.set_quantized(name, QuantizedWeight(qi, si, zero_point, g_idx=g_idx, method=self.name))
                 ctx.linear_errors[name] = err
                 self.report.append(entry)
+
+
+def _to_cpu(r: QuantizedWeight) -> QuantizedWeight:
+    return _to_device(r, torch.device("cpu"))
+
+
+def _to_device(r: QuantizedWeight, device) -> QuantizedWeight:
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return QuantizedWeight(move(r.q), move(r.scale), move(r.zero_point), move(r.g_idx), r.method)

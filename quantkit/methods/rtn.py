@@ -57,13 +57,18 @@ class RTN(Method):
                 with ctx.phase("statistics"):
                     x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
                     total = self._square_sums.get(name)
-                    sq = x.pow(2).sum(0)
+                    sq = x.pow(2).sum(0).double()  # float64 sums: exact, however the batches are split
                     self._square_sums[name] = sq if total is None else total + sq
                     self._tokens[name] = self._tokens.get(name, 0) + x.shape[0]
 
             return fn
 
         return [m.register_forward_pre_hook(hook(n)) for n, m in ctx.targets.items()]
+
+    def reduce_statistics(self, ranks) -> None:
+        self._square_sums = ranks.reduce(self._square_sums, "sum")
+        tokens = ranks.reduce({n: torch.tensor(t) for n, t in self._tokens.items()}, "sum")
+        self._tokens = {n: int(t) for n, t in tokens.items()}
 
     @property
     def uses_statistics(self) -> bool:
@@ -74,7 +79,7 @@ class RTN(Method):
         name = self._shared.leader(name)
         if name not in self._square_sums:
             return None
-        mean_sq = self._square_sums[name] / max(1, self._tokens[name])
+        mean_sq = (self._square_sums[name] / max(1, self._tokens[name])).float()
         return mean_sq + IMPORTANCE_FLOOR * mean_sq.mean()
 
     def apply(self, ctx: LayerContext) -> None:

@@ -89,6 +89,10 @@ class SmoothQuant(Method):
                 hooks.append(modules[m.source].register_forward_hook(lambda mod, args, out, r=record: r(out)))
         return hooks
 
+    def reduce_statistics(self, ranks) -> None:
+        reduced = ranks.reduce({str(k): a for k, a in self._absmax.items()}, "max")
+        self._absmax = {int(k): a for k, a in reduced.items()}
+
     def apply(self, ctx: LayerContext) -> None:
         for k, m in enumerate(self._mappings):
             act = self._absmax.get(k)

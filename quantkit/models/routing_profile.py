@@ -48,6 +48,14 @@ class LayerCounts:
         self.coactivation += co
         self.tokens += selected.reshape(-1, selected.shape[-1]).shape[0]
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The counts as named tensors (to sum them over the ranks of a data-parallel run)."""
+        return {"tokens": torch.tensor(self.tokens), "counts": self.counts, "coactivation": self.coactivation}
+
+    def merge(self, summed: dict[str, torch.Tensor]) -> None:
+        """Take counts summed over every rank (`tensors`, reduced)."""
+        self.tokens, self.counts, self.coactivation = int(summed["tokens"]), summed["counts"], summed["coactivation"]
+
     def frequency(self) -> torch.Tensor:
         """Share of tokens that choose each expert."""
         return self.counts.double() / max(self.tokens, 1)

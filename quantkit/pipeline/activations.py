@@ -31,14 +31,14 @@ class ActivationStore:
             return self._mem[j]
         return torch.load(self._path(j), weights_only=True)
 
-    def save_to(self, folder: Path, count: int) -> int:
-        """Persist every batch to `folder` (for the resume journal). Spilled batches are hard-linked where
-        the filesystem allows (no bytes written). Returns the bytes actually written."""
+    def save_to(self, folder: Path, batches) -> int:
+        """Persist the batches `batches` (indices) to `folder` (for the resume journal). Spilled batches are
+        hard-linked where the filesystem allows (no bytes written). Returns the bytes actually written."""
         import os
 
         folder.mkdir(parents=True, exist_ok=True)
         written = 0
-        for j in range(count):
+        for j in batches:
             target = folder / f"batch-{j:05d}.pt"
             target.unlink(missing_ok=True)
             if self.folder is not None:
@@ -53,9 +53,9 @@ class ActivationStore:
         return written
 
     @classmethod
-    def load_from(cls, folder: Path, count: int, spill: Path | None) -> "ActivationStore":
+    def load_from(cls, folder: Path, batches, spill: Path | None) -> "ActivationStore":
         store = cls(spill)
-        for j in range(count):
+        for j in batches:
             store[j] = torch.load(folder / f"batch-{j:05d}.pt", weights_only=True)
         return store
 

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from quantkit.models.loader import ModelHandle, open_model
 from quantkit.models.source import resolve_model
 from quantkit.pipeline.activations import ActivationStore
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
+from quantkit.distributed import SINGLE, Ranks
 from quantkit.pipeline.journal import Journal
 from quantkit.pipeline.memory import peak_rss_bytes
 from quantkit.compute import choose_compute_dtype, matmul_shapes
@@ -212,38 +214,58 @@ def _auto_batch(seq_len: int) -> int:
     return max(1, 2048 // seq_len)
 
 
+@dataclass
+class LayerBatches:
+    """The calibration batches a layer runs on: `acts[j]` (the layer's inputs, replaced by its outputs) and
+    `calls[j][layer]` (the keyword arguments each layer receives) for every global batch index j in `owned`:
+    all batches in one process, this rank's contiguous shard in a data-parallel run. Batches
+    0..error_batches-1 of the whole run measure each layer's error."""
+
+    acts: ActivationStore
+    calls: Sequence | Mapping
+    owned: list[int]
+    error_batches: int
+    ranks: Ranks = SINGLE
+
+    @classmethod
+    def local(cls, acts: ActivationStore, calls: Sequence, error_batches: int) -> "LayerBatches":
+        """Every batch, in this process."""
+        return cls(acts, calls, list(range(len(calls))), min(error_batches, len(calls)))
+
+
 def process_layer(
     layer: nn.Module,
     ctx: LayerContext,
     methods: list[Method],
-    acts: ActivationStore,
-    calls: list[list[tuple]],
-    n_batches: int,
-    error_batches: int,
+    batches: LayerBatches,
     on_batch=None,
     on_routing=None,
     timings: dict | None = None,
 ) -> float:
-    """Calibrate, quantise and propagate one layer: `acts` holds the layer's inputs on entry and its quantised
-    outputs (the next layer's inputs) on return, one generation resident, each batch replaced as soon as its
-    output exists. Returns the layer's relative output error, measured on the first `error_batches` batches.
+    """Calibrate, quantise and propagate one layer: `batches.acts` holds the layer's inputs on entry and its
+    quantised outputs (the next layer's inputs) on return, one generation resident, each batch replaced as soon
+    as its output exists. Returns the layer's relative output error, measured on the error-measuring batches.
     `on_routing(selected [T, k])` sees the quantised pass's routing of each batch (MoE layers), once per token.
 
     The first pass gives the statistics of the first stage of methods and the unquantised reference outputs of
     the error-measuring batches (only those are kept: a reference of every batch would be a second generation
     of activations, the largest term of a run's memory after the layer itself). A
     calibrating transform (SmoothQuant) changes what later methods see, so the methods after it (GPTQ's
-    Hessian, static input scales) get their statistics from another pass over the transformed layer.
+    Hessian, static input scales) get their statistics from another pass over the transformed layer. In a
+    data-parallel run each pass covers this rank's batches and the statistics are combined over the ranks
+    before the methods apply (`Method.reduce_statistics`).
     `timings`, when given, accumulates the seconds spent in forward passes and in the methods' apply (what
     `plan` extrapolates from: the first scales with the samples, the second does not)."""
     timings = {} if timings is None else timings
     timings.setdefault("forward", 0.0)
     timings.setdefault("apply", 0.0)
     check_finite_weights(ctx)
+    acts, calls, ranks = batches.acts, batches.calls, batches.ranks
+    ctx.ranks = ranks
     static = [n for n in ctx.targets if ctx.scheme_for(n).static_activations]
     stages = method_stages(methods)
-    error_batches = min(error_batches, n_batches)
-    references: list[torch.Tensor] = []
+    measured = [j for j in batches.owned if j < batches.error_batches]
+    references: dict[int, torch.Tensor] = {}
     for k, stage in enumerate(stages):
         observe = static if k == len(stages) - 1 else []
         needs_stats = any(m.uses_statistics for m in stage) or bool(observe)
@@ -253,16 +275,23 @@ def process_layer(
             _set_calibration_mode(layer, needs_stats)
             began = time.perf_counter()
             with torch.no_grad(), ctx.phase("calibration_pass"):
-                for j in range(n_batches if needs_stats else error_batches):
+                for j in batches.owned if needs_stats else measured:
                     out = run_layer(layer, acts[j], calls[j][ctx.index])
-                    if k == 0 and j < error_batches:
-                        references.append(out)
+                    if k == 0 and j < batches.error_batches:
+                        references[j] = out
                     if on_batch:
                         on_batch()
             timings["forward"] += time.perf_counter() - began
             for h in hooks:
                 h.remove()
             _set_calibration_mode(layer, False)
+            if needs_stats and ranks.distributed:
+                with ctx.phase("reduce"):
+                    for m in stage:
+                        if m.uses_statistics:
+                            m.reduce_statistics(ranks)
+                    if observe:
+                        ctx.input_absmax = ranks.reduce(ctx.input_absmax, "max")
         began = time.perf_counter()
         with ctx.phase("apply"):
             for method in stage:
@@ -278,16 +307,16 @@ def process_layer(
     if on_routing is not None:
         hooks += [m.register_forward_pre_hook(lambda mod, args: on_routing(args[1]))
                   for m in layer.modules() if isinstance(m, UnfusedExperts)]
-    num = den = 0.0
+    errors: list[tuple[int, float, float]] = []
     began = time.perf_counter()
     with torch.no_grad(), ctx.phase("quantised_pass"):
-        for j in range(n_batches):
+        for j in batches.owned:
             quantized = run_layer(layer, acts[j], calls[j][ctx.index])
-            if j < error_batches:
-                reference = references[j]
-                num += (quantized - reference).double().pow(2).sum().item()
-                den += reference.double().pow(2).sum().item()
-                references[j] = None
+            if j in references:
+                reference = references.pop(j)
+                errors.append((j, (quantized - reference).double().pow(2).sum().item(),
+                               reference.double().pow(2).sum().item()))
+                del reference
             # Every batch, not only the measured ones: a NaN/Inf anywhere would poison the next layer's statistics.
             if not bool(torch.isfinite(quantized).all()):
                 raise RunError(f"layer {ctx.index} produced NaN/Inf after quantisation")
@@ -298,6 +327,11 @@ def process_layer(
     for h in hooks:
         h.remove()
     ctx.input_scales = input_scales
+    # Summed in batch order whatever rank measured which batch: the same float sums as one process.
+    num = den = 0.0
+    for _, e_num, e_den in sorted(e for part in ranks.gather(errors) for e in part):
+        num += e_num
+        den += e_den
     return math.sqrt(num / den) if den > 0 else 0.0
 
 
@@ -507,92 +541,146 @@ def quantize_model(
     tp: int | None = None,
 ) -> dict:
     """Quantise `recipe`'s model into `output` (written as `output.partial`, renamed at the end). One run
-    per output at a time: a second one exits 2 naming the first one's pid."""
+    per output at a time: a second one exits 2 naming the first one's pid. Under torchrun every rank calls
+    this with the same arguments (quantkit.distributed): rank 0 takes the lock and writes; the others return
+    `{"rank": r, "output": ...}`."""
+    from contextlib import ExitStack
+
+    from quantkit.distributed import ranks_from_env
     from quantkit.pipeline.lock import output_lock
 
-    with output_lock(Path(output)):
-        return _quantize_locked(recipe, Path(output), resume, overwrite, offload_dir, device, max_shard_bytes,
-                                compute_dtype, tp)
+    with ranks_from_env(_resolve_device(device)) as (ranks, device), ExitStack() as stack:
+        error = None
+        if ranks.writer:
+            try:
+                stack.enter_context(output_lock(Path(output)))
+            except InputError as exc:
+                error = exc
+                if not ranks.distributed:
+                    raise
+        ranks.first_error(error)
+        options = _RunOptions(Path(output), resume, overwrite, offload_dir, device, max_shard_bytes, compute_dtype, tp)
+        return _quantize_locked(recipe, options, ranks)
 
 
-def _quantize_locked(recipe: Recipe, output: Path, resume: bool, overwrite: bool, offload_dir: Path | None,
-                     device: str, max_shard_bytes: int | None, compute_dtype: str, tp: int | None) -> dict:
+@dataclass
+class _RunOptions:
+    output: Path
+    resume: bool
+    overwrite: bool
+    offload_dir: Path | None
+    device: str
+    max_shard_bytes: int | None
+    compute_dtype: str
+    tp: int | None
+
+
+def _check_output(options: _RunOptions, partial: Path, run_key: str) -> Journal | None:
+    """Refuse an output that exists, or a partial run from another recipe; the journal to resume, if any."""
+    output, resume, overwrite = options.output, options.resume, options.overwrite
+    if output.exists() and not overwrite:
+        raise InputError(f"output {output} already exists; pass --overwrite to replace it")
+    if not partial.exists():
+        return None
+    if resume:
+        journal = Journal.load(partial)
+        if journal is None or journal.run_key != run_key:
+            raise InputError(
+                f"{partial} is from a different run (model, recipe or data changed); pass --overwrite to start over"
+            )
+        return journal
+    if overwrite:
+        shutil.rmtree(partial)
+        return None
+    raise InputError(f"an unfinished run exists at {partial}; pass --resume to continue it or --overwrite to start over")
+
+
+def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE) -> dict:
     t_start = time.time()
     return_large_frees_to_os()
-    output = Path(output)
+    output, offload_dir, device = options.output, options.offload_dir, options.device
     q = recipe.quantization
     scheme = get_scheme(q.scheme, q.group_size)
     methods = build_methods(q.method, scheme, q.options)
     from quantkit.pipeline.stream import stream_quantize, streams
 
     if streams(methods, scheme):
-        return stream_quantize(recipe, output, scheme, overwrite=overwrite, max_shard_bytes=max_shard_bytes, tp=tp)
-    if output.exists() and not overwrite:
-        raise InputError(f"output {output} already exists; pass --overwrite to replace it")
+        if not ranks.writer:  # data-free: nothing to calibrate, rank 0 converts tensor by tensor
+            return {"rank": ranks.rank, "output": str(output)}
+        return stream_quantize(recipe, output, scheme, overwrite=options.overwrite,
+                               max_shard_bytes=options.max_shard_bytes, tp=options.tp)
     partial = output.with_name(output.name + ".partial")
-    device = _resolve_device(device)
-    setup = prepare_run(recipe, tp)
+    setup = prepare_run(recipe, options.tp)
     resolved, handle, plans, calib = setup.resolved, setup.handle, setup.plans, setup.calib
-    shard_warnings, n_samples, batch_size, n_batches = setup.tp_warnings, setup.n_samples, setup.batch_size, setup.n_batches
-    weight_dtype, specs = setup.weight_dtype, setup.specs
+    n_batches = setup.n_batches
+    weight_dtype = setup.weight_dtype
     methods = setup.methods  # fresh instances: the ones above only decided the path
     from quantkit.pipeline.plan import check_disk_space
 
-    # Refuse now, not hours in, when the output and the resume state (or the spilled activations) cannot fit.
-    generation = setup.activation_bytes()  # fp32: the widest activations a run keeps
-    check_disk_space(output, setup.output_bytes_lower_bound(), offload_dir=offload_dir, resume=resume,
-                     state_bytes=0 if offload_dir else 2 * generation, spill_bytes=2 * generation if offload_dir else 0)
-
     run_key = _run_key(recipe, calib, handle)
-    journal = None
-    if partial.exists():
-        if resume:
-            journal = Journal.load(partial)
-            if journal is None or journal.run_key != run_key:
-                raise InputError(
-                    f"{partial} is from a different run (model, recipe or data changed); pass --overwrite to start over"
-                )
-        elif overwrite:
-            shutil.rmtree(partial)
-        else:
-            raise InputError(f"an unfinished run exists at {partial}; pass --resume to continue it or --overwrite to start over")
+    ranks.agree(run_key, "recipe, model, calibration data or quantkit version")
+    if ranks.world > n_batches:
+        raise InputError(f"{ranks.world} ranks but this run calibrates on only {n_batches} batch(es) "
+                         f"({setup.n_samples} samples, {setup.batch_size} a batch): use at most {n_batches} processes")
+    journal, error = None, None
+    if ranks.writer:
+        try:
+            # Refuse now, not hours in, when the output and the resume state (or spilled activations) cannot fit.
+            generation = setup.activation_bytes()  # fp32: the widest activations a run keeps
+            check_disk_space(output, setup.output_bytes_lower_bound(), offload_dir=offload_dir, resume=options.resume,
+                             state_bytes=0 if offload_dir else 2 * generation,
+                             spill_bytes=2 * generation if offload_dir else 0)
+            journal = _check_output(options, partial, run_key)
+        except InputError as exc:
+            if not ranks.distributed:
+                raise
+            error = exc
+    ranks.first_error(error)
     fresh = journal is None
     # Calibrate in whichever dtype this machine multiplies fastest (measured once per machine; bf16 on CPUs
     # with AVX-512 BF16 / AMX, fp32 on AVX2-only ones, where bf16 is ~30x slower); statistics are fp32 in the
     # methods either way. An fp32 model keeps fp32 master weights and runs bf16 under autocast; a bf16 model
     # computing in fp32 is upcast one layer at a time, so the memory bound of one layer stays. A resumed run
-    # keeps the choice it started with, so its bytes equal an uninterrupted run's.
+    # keeps the choice it started with, so its bytes equal an uninterrupted run's; every rank takes rank 0's.
+    compute_dtype = options.compute_dtype
     if not fresh and journal.compute:
         compute_dtype = journal.compute["dtype"]
-    compute = choose_compute_dtype(compute_dtype, weight_dtype, device, matmul_shapes(handle.config))
-    announce(compute.describe())
+    if ranks.writer:
+        compute = choose_compute_dtype(compute_dtype, weight_dtype, device, matmul_shapes(handle.config))
+        announce(compute.describe())
+    chosen = ranks.broadcast(compute.name if ranks.writer else None)
+    if not ranks.writer:
+        compute = choose_compute_dtype(chosen, weight_dtype, device)
     autocast = compute.autocast
-    compute_dtype = torch.float32 if autocast else compute.dtype
-    if fresh:
-        journal = Journal(run_key, compute=compute.to_dict())
-        partial.mkdir(parents=True)
-    state_dir = partial / ".state"
-    try:
-        writer = PlannedShardWriter(partial, specs, max_shard_bytes or 5 * 10**9, create=fresh)
+    run = LayerRun(handle, plans, methods, scheme, n_batches, device, None, journal, partial, partial / ".state",
+                   Path(offload_dir) if offload_dir else None, weight_dtype,
+                   torch.float32 if autocast else compute.dtype, autocast, setup.error_batches, ranks)
+    if ranks.writer:
         if fresh:
-            journal.commit(partial)
-    except OSError as exc:
-        _cleanup_on_disk_full(exc, partial)
-        raise
-
-    spill = Path(offload_dir) if offload_dir else None
+            run.journal = Journal(run_key, compute=compute.to_dict())
+            partial.mkdir(parents=True)
+        try:
+            run.writer = PlannedShardWriter(partial, setup.specs, options.max_shard_bytes or 5 * 10**9, create=fresh)
+            if fresh:
+                run.journal.commit(partial)
+        except OSError as exc:
+            _cleanup_on_disk_full(exc, partial)
+            raise
+    start = ranks.broadcast(run.journal.resume_layer() if ranks.writer else None)
     try:
-        result = _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, device, writer,
-                             journal, partial, state_dir, spill, weight_dtype, compute_dtype, autocast,
-                             setup.error_batches)
+        _run_layers(run, calib, setup.batch_size, start)
     except OSError as exc:
         _cleanup_on_disk_full(exc, partial)
         raise RunError(f"cannot write {partial}: {exc.strerror or exc}") from None
     except InputError:
         # The input itself is unusable (e.g. inf weights): a resume would fail the same way.
-        writer.close()
-        shutil.rmtree(partial, ignore_errors=True)
+        if run.writer is not None:
+            run.writer.close()
+            shutil.rmtree(partial, ignore_errors=True)
         raise
+    if not ranks.writer:
+        return {"rank": ranks.rank, "output": str(output)}
+    journal, writer = run.journal, run.writer
     writer.close()
     writer.write_index()
 
@@ -600,7 +688,7 @@ def _quantize_locked(recipe: Recipe, output: Path, resume: bool, overwrite: bool
                                                      actorder=_actorder(methods))
     # Before the manifest, so the profile is hashed with the rest of the checkpoint.
     wrote_profile = write_routing_profile(handle, journal, calib, partial)
-    shutil.rmtree(state_dir, ignore_errors=True)
+    shutil.rmtree(run.state_dir, ignore_errors=True)
     Journal.path(partial).unlink(missing_ok=True)
 
     wall = time.time() - t_start
@@ -623,9 +711,15 @@ def _quantize_locked(recipe: Recipe, output: Path, resume: bool, overwrite: bool
         "phase_seconds": phase_totals(journal.layer_records, wall),
         "events": journal.events,
         "scheme_overrides": overrides,
-        "tp_warnings": shard_warnings,
+        "tp_warnings": setup.tp_warnings,
         "resume_state_bytes": journal.state_bytes,
     }
+    if ranks.distributed:
+        moved = [r.get("bytes_moved", 0) for r in journal.layer_records]
+        summary["distributed"] = {"world_size": ranks.world, "backend": ranks.backend,
+                                  "batches_per_rank": [len(Ranks(r, ranks.world).shard(n_batches))
+                                                       for r in range(ranks.world)],
+                                  "bytes_moved_per_layer": round(sum(moved) / max(1, len(moved)))}
     if wrote_profile:
         summary["routing_profile"] = "routing_profile.json"
     return finish_output(partial, output, recipe_used, summary, handle)
@@ -666,7 +760,7 @@ def write_config_and_extras(handle: ModelHandle, plans: list[LayerPlan], scheme:
 def finish_output(partial: Path, output: Path, recipe_used: Recipe, summary: dict, handle: ModelHandle) -> dict:
     """Write the manifest (hashes of everything written) and move the finished folder into place."""
     manifest = write_manifest(partial, recipe_used, summary, handle)
-    summary["output_bytes"] = manifest["output_bytes"]
+    summary["output_bytes"], summary["weights_bytes"] = manifest["output_bytes"], manifest["weights_bytes"]
     summary["bits_per_weight"] = manifest["bits_per_weight"]
     if output.exists():
         shutil.rmtree(output)
@@ -691,36 +785,64 @@ def _cleanup_on_disk_full(exc: OSError, partial: Path) -> None:
         raise RunError(f"disk full while writing {partial}; nothing was left behind") from None
 
 
-def _run_layers(handle, plans, methods, scheme, calib, batch_size, n_batches, device, writer, journal, partial,
-                state_dir, spill, weight_dtype, compute_dtype, autocast=False, error_batches: int = 1) -> None:
+@dataclass
+class LayerRun:
+    """What the layer loop of one run works with (on ranks past 0 of a data-parallel run, `writer` and
+    `journal` are None: rank 0 writes)."""
+
+    handle: ModelHandle
+    plans: list[LayerPlan]
+    methods: list[Method]
+    scheme: Scheme
+    n_batches: int
+    device: str
+    writer: PlannedShardWriter | None
+    journal: Journal | None
+    partial: Path
+    state_dir: Path
+    spill: Path | None
+    weight_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    autocast: bool
+    error_batches: int
+    ranks: Ranks = SINGLE
+
+
+def _run_layers(run: LayerRun, calib: CalibrationSet, batch_size: int, start: int) -> None:
+    handle, ranks = run.handle, run.ranks
     with progress_bar() as progress:
-        if not journal.non_layer_done:
+        if run.writer is not None and not run.journal.non_layer_done:
             for name in handle.non_layer_checkpoint_names():
                 info = handle.index.tensors[name]
                 if name in handle.index.native_fp8:
-                    writer.write(name, handle.index.get(name))
+                    run.writer.write(name, handle.index.get(name))
                 else:
-                    writer.write_raw(name, info.file, info.offset, info.nbytes)
-            writer.sync()
-            journal.non_layer_done = True
-            journal.commit(partial)
+                    run.writer.write_raw(name, info.file, info.offset, info.nbytes)
+            run.writer.sync()
+            run.journal.non_layer_done = True
+            run.journal.commit(run.partial)
 
-        hidden, calls = capture_layer_inputs(handle, calib.input_ids, batch_size, device, compute_dtype)
-        acts = ActivationStore(spill / "a" if spill else None)
-        start = journal.resume_layer()
+        # This rank's batches (all of them in one process): the same batches, of the same size, as one process.
+        owned = ranks.shard(run.n_batches)
+        spill = None
+        if run.spill is not None:
+            spill = run.spill / "a" if not ranks.distributed else run.spill / f"a-rank{ranks.rank}"
+        rows = slice(owned[0] * batch_size, (owned[-1] + 1) * batch_size)
+        hidden, calls = capture_layer_inputs(handle, calib.input_ids[rows], batch_size, run.device, run.compute_dtype)
+        calls = dict(zip(owned, calls))
         if start == 0:
-            for j, h in enumerate(hidden):
+            acts = ActivationStore(spill)
+            for j, h in zip(owned, hidden):
                 acts[j] = h
         else:
-            acts = ActivationStore.load_from(state_dir / f"gen-{start:05d}", n_batches, spill / "a" if spill else None)
+            acts = ActivationStore.load_from(run.state_dir / f"gen-{start:05d}", owned, spill)
         del hidden
         release_freed_memory()
         # Everything alive now (the libraries, the skeleton) outlives the layer loop: keep it out of the
         # per-layer gc.collect, which otherwise rescans it every layer (0.15 s each on SmolLM2).
         gc.freeze()
         try:
-            _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journal, partial, state_dir,
-                        spill, weight_dtype, compute_dtype, autocast, progress, acts, calls, start, error_batches)
+            _layer_loop(run, progress, LayerBatches(acts, calls, owned, run.error_batches, ranks), start)
         finally:
             gc.unfreeze()
 
@@ -741,63 +863,80 @@ def layer_context(handle: ModelHandle, plan: LayerPlan, layer: nn.Module, scheme
     )
 
 
-def _layer_loop(handle, plans, methods, scheme, n_batches, device, writer, journal, partial, state_dir, spill,
-                weight_dtype, compute_dtype, autocast, progress, acts, calls, start, error_batches) -> None:
+def _layer_loop(run: LayerRun, progress, batches: LayerBatches, start: int) -> None:
     from quantkit.pipeline.journal import StatePolicy
 
+    handle, plans, ranks, writer, journal = run.handle, run.plans, run.ranks, run.writer, run.journal
     layer_task = progress.add_task("layers", total=len(plans), completed=start, info="")
-    batch_task = progress.add_task("  batches", total=2 * n_batches, info="")
+    n_own = len(batches.owned)
+    batch_task = progress.add_task("  batches", total=2 * n_own, info="")
     delay = float(os.environ.get("QUANTKIT_DEBUG_LAYER_DELAY", "0"))  # test aid: widen the kill window
     policy = StatePolicy()
     for plan in plans[start:]:
         t0 = time.time()
         i = plan.index
+        ranks.at_layer(i)
+        moved0 = ranks.bytes_moved
         if delay:
             time.sleep(delay)
         began = time.perf_counter()
-        layer = handle.materialize_layer(i, compute_dtype, device)
-        ctx = layer_context(handle, plan, layer, scheme, weight_dtype, compute_dtype, autocast)
+        layer = handle.materialize_layer(i, run.compute_dtype, run.device)
+        ctx = layer_context(handle, plan, layer, run.scheme, run.weight_dtype, run.compute_dtype, run.autocast)
         ctx.phases["load"] = time.perf_counter() - began
         modules = None
-        progress.reset(batch_task, total=2 * n_batches, info=f"layer {i}")
+        progress.reset(batch_task, total=2 * n_own, info=f"layer {i}")
         counts = _routing_counter(layer, handle)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            rel = process_layer(layer, ctx, methods, acts, calls, n_batches, error_batches,
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=run.autocast):
+            rel = process_layer(layer, ctx, run.methods, batches,
                                 on_batch=lambda: progress.advance(batch_task),
                                 on_routing=counts.add if counts is not None else None)
-        if counts is not None and counts.tokens:
+        if counts is not None and ranks.distributed:
+            counts.merge(ranks.reduce(counts.tensors(), "sum"))
+        if writer is not None and counts is not None and counts.tokens:
             journal.routing[str(i)] = {"tokens": counts.tokens, "counts": counts.counts.tolist(),
                                        "coactivation": counts.coactivation.tolist()}
-        with ctx.phase("write"):
-            for t in plan.targets:
-                for name, tensor in pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, weight_dtype,
-                                                   ctx.input_scales.get(t.local)).items():
-                    writer.write(name, tensor)
-            params = dict(layer.named_parameters())
-            for local, (ckpt, dtype, _) in plan.kept.items():
-                writer.write(ckpt, params[local].detach().to(dtype))
-            for name in plan.copied:
-                writer.write(name, handle.index.get(name))
-            writer.sync()
+        params = dict(layer.named_parameters())
+        if writer is not None:
+            with ctx.phase("write"):
+                for t in plan.targets:
+                    for name, tensor in pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, run.weight_dtype,
+                                                       ctx.input_scales.get(t.local)).items():
+                        writer.write(name, tensor)
+                for local, (ckpt, dtype, _) in plan.kept.items():
+                    writer.write(ckpt, params[local].detach().to(dtype))
+                for name in plan.copied:
+                    writer.write(name, handle.index.get(name))
+                writer.sync()
         # Persist the activations entering the next layer when the policy says the cost is due, then commit:
         # a kill resumes from the newest saved generation (recomputing any layers after it, same bytes).
         # Only that one generation is kept; the previous one is deleted once the journal names the new one.
-        previous = journal.state_layer
-        if i + 1 < len(plans) and policy.due():
+        # Each rank saves its own batches into the one folder (on a filesystem every rank sees); rank 0's
+        # clock decides, and commits once every rank has saved.
+        previous = journal.state_layer if journal is not None else None
+        due = ranks.broadcast(i + 1 < len(plans) and policy.due() if ranks.writer else None)
+        if due:
             began = time.monotonic()
             with ctx.phase("state_save"):
-                journal.state_bytes += acts.save_to(state_dir / f"gen-{i + 1:05d}", n_batches)
+                saved = batches.acts.save_to(run.state_dir / f"gen-{i + 1:05d}", batches.owned)
+            saved = sum(ranks.gather(saved))
             policy.saved(began)
-            journal.state_layer = i + 1
-        record = {"layer": i, "rel_error": rel, "seconds": round(time.time() - t0, 3),
-                  "phases": layer_phases(ctx.phases), "linear_errors": ctx.linear_errors}
-        journal.layer_records.append(record)
-        journal.events.extend(ctx.events)
-        journal.layers_done = i + 1
-        journal.commit(partial)
-        if previous and previous != journal.state_layer:
-            shutil.rmtree(state_dir / f"gen-{previous:05d}", ignore_errors=True)
+            if journal is not None:
+                journal.state_bytes += saved
+                journal.state_layer = i + 1
+        if journal is not None:
+            record = {"layer": i, "rel_error": rel, "seconds": round(time.time() - t0, 3),
+                      "phases": layer_phases(ctx.phases), "linear_errors": ctx.linear_errors}
+            if ranks.distributed:
+                record["bytes_moved"] = ranks.bytes_moved - moved0
+            journal.layer_records.append(record)
+            journal.events.extend(ctx.events)
+            journal.layers_done = i + 1
+            journal.commit(run.partial)
+            if previous and previous != journal.state_layer:
+                shutil.rmtree(run.state_dir / f"gen-{previous:05d}", ignore_errors=True)
         del layer, ctx, modules, params
         release_freed_memory()
         progress.update(layer_task, advance=1, info=f"rel err {rel:.4f}")
-    acts.drop()
+    ranks.at_layer(None)
+    ranks.barrier()  # rank 0 renames the folder only once no rank still reads the resume state
+    batches.acts.drop()

@@ -147,7 +147,7 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
     from quantkit.formats.compressed_tensors import pack_quantized
     from quantkit.pipeline.activations import ActivationStore
     from quantkit.pipeline.capture import capture_layer_inputs
-    from quantkit.pipeline.engine import layer_context, process_layer, release_freed_memory
+    from quantkit.pipeline.engine import LayerBatches, layer_context, process_layer, release_freed_memory
 
     n = max(1, min(setup.n_samples, trial_samples or setup.batch_size))
     autocast = compute.autocast
@@ -182,7 +182,7 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
         timings: dict = {}
         methods = build_methods(q.method, setup.scheme, q.options)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            process_layer(layer, ctx, methods, acts, calls, len(calls), setup.error_batches, timings=timings)
+            process_layer(layer, ctx, methods, LayerBatches.local(acts, calls, setup.error_batches), timings=timings)
         began = time.perf_counter()
         for t in plan.targets:
             pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, setup.weight_dtype,

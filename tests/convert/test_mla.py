@@ -37,16 +37,21 @@ def tiny(tmp_path_factory):
     }
 
 
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["mqa", "qwen2_mqa"])
-def test_full_rank_single_kv_head_reproduces_logits(tiny, name, tmp_path):
-    """One KV head and rope_dim = head_dim: nothing is lost, so the DeepSeek-V3 model must equal the source."""
+def test_full_rank_single_kv_head_reproduces_logits(tiny, name, compute_dtype, tmp_path):
+    """One KV head and rope_dim = head_dim: nothing is lost, so the DeepSeek-V3 model must equal the source,
+    whichever dtype the source forward runs in (`auto` picks bf16 on CPUs with fast bf16: there the refinement
+    once fitted the targets' bf16 rounding and moved the exact closed form 1% away)."""
     out = tmp_path / "out"
-    convert_model(str(tiny[name]), out, MLAOptions(kv_lora_rank=-1, rope_dim=16), num_samples=4, seq_len=64)
+    convert_model(str(tiny[name]), out, MLAOptions(kv_lora_rank=-1, rope_dim=16, compute_dtype=compute_dtype),
+                  num_samples=4, seq_len=64)
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     _, want = _hf_logits(tiny[name], ids)
     model, got = _hf_logits(out, ids)
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
-    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    rel = float((got - want).abs().max() / want.abs().max())
+    assert rel < 1e-4, f"max logit difference {rel:.2e} of the largest logit"
 
 
 def test_output_loads_in_transformers_and_matches_own_forward(tiny, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -189,3 +190,47 @@ def test_bad_input_is_one_line(ckpts, tmp_path, tiny_models):
     tasks = tmp_path / "bad.jsonl"
     tasks.write_text('{"question": "q", "choices": ["a", "b"], "answer": 0}\n{"question": 1}\n')
     _one_line(_eval(ckpts["w4"], *DATA, "--tasks", tasks), 2, "bad.jsonl:2")
+
+
+def test_engine_vllm_refuses_what_only_the_runtime_measures_and_a_missing_vllm(ckpts, tmp_path):
+    _one_line(_eval(ckpts["w4"], *DATA, "--engine", "vllm", "--speculative", "ngram"), 2,
+              "--speculative runs on quantkit's runtime; drop --engine vllm")
+    _one_line(_eval(ckpts["w4"], *DATA, "--engine", "vllm", "--moe"), 2, "drop --engine vllm")
+    _one_line(_eval(ckpts["w4"], *DATA, "--engine", "vllm", "--vllm-python", tmp_path / "nope"), 2, "does not exist")
+    _one_line(_eval(ckpts["w4"], *DATA, "--engine", "tgi"), 2, "unknown --engine")
+    _one_line(_eval(ckpts["w4"], *DATA, "--tensor-parallel-size", "2"), 2, "needs --engine vllm")
+
+
+VLLM_PYTHON = os.environ.get("QUANTKIT_VLLM_PYTHON")
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set QUANTKIT_VLLM_PYTHON to an interpreter with vLLM")
+def test_engine_vllm_agrees_with_quantkits_runtime_on_the_real_model(tmp_path):
+    """vLLM's CPU build scores SmolLM2 and its W4A16 checkpoint; perplexity and KL close to quantkit's own
+    runtime on the same blocks (different kernels and bf16 rounding: a few percent, not exact)."""
+    from quantkit.pipeline.engine import quantize_model
+    from quantkit.recipe import Recipe
+
+    r = Recipe()
+    r.quantization.method, r.quantization.scheme, r.quantization.group_size = "rtn", "W4A16", 64
+    ckpt = tmp_path / "w4"
+    quantize_model(r, ckpt)
+    args = [ckpt, "--num-samples", "4", "--seq-len", "128", "--json"]
+    own = _json(_eval(*args, "--compute-dtype", "bfloat16"))["results"][0]
+    served = _json(_eval(*args, "--engine", "vllm", "--throughput"))
+    row = served["results"][0]
+    assert row["engine"] == "vllm" and row["throughput"]["generate_tok_s_b1"] > 0
+    assert abs(row["ppl"] / own["ppl"] - 1) < 0.05
+    assert row["kl_mean"] <= own["kl_mean"] * 1.5 + 0.01
+
+
+def test_table_keeps_every_value_whole_when_piped(ckpts):
+    """CliRunner's stdout is not a terminal, as in a CI log: no cell may be cut to `checkp…`."""
+    report = _json(_eval(ckpts["w4"], "--json", *DATA))
+    table = _eval(ckpts["w4"], *DATA)
+    assert table.exit_code == 0, table.output
+    assert "…" not in table.stdout
+    row = report["results"][0]
+    for key in ("checkpoint", "ppl", "kl_mean", "kl_p99", "top1_agree", "size_bytes"):
+        assert str(row[key]) in table.stdout, (key, row[key])

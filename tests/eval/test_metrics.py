@@ -56,3 +56,41 @@ def test_percentile_matches_numpy():
     x = torch.randn(1001, generator=torch.Generator().manual_seed(2))
     for q in (0, 1, 37.5, 50, 90, 99, 100):
         assert math.isclose(percentile(x, q), float(np.percentile(x.numpy().astype("float64"), q)), rel_tol=1e-12)
+
+
+def _topk(logits: torch.Tensor, targets: torch.Tensor, k: int) -> dict:
+    """What vLLM's prompt_logprobs gives: the real token's log-probability and the top-k, most likely first."""
+    lp = torch.log_softmax(logits.double(), -1)
+    top = lp.topk(k, dim=-1)
+    return {"actual": lp.gather(-1, targets[:, None])[:, 0], "top_ids": top.indices, "top_logprobs": top.values}
+
+
+def test_topk_stats_with_the_whole_vocabulary_equal_the_full_stats():
+    from quantkit.eval.metrics import topk_token_stats
+
+    torch.manual_seed(0)
+    base, cand = torch.randn(50, 32) * 3, torch.randn(50, 32) * 3
+    targets = torch.randint(0, 32, (50,))
+    full = token_stats(base, cand, targets)
+    top = topk_token_stats(_topk(base, targets, 32), _topk(cand, targets, 32))
+    for k in ("kl", "nll", "nll_base", "top1", "p", "p_base"):
+        assert torch.allclose(top[k], full[k], atol=1e-9), k
+
+
+def test_topk_kl_is_a_lower_bound_that_tightens_with_k_and_is_zero_for_equal_models():
+    from quantkit.eval.metrics import topk_token_stats
+
+    torch.manual_seed(1)
+    base = torch.randn(200, 64) * 4
+    cand = base + torch.randn(200, 64) * 0.3
+    targets = torch.randint(0, 64, (200,))
+    full = token_stats(base, cand, targets)["kl"]
+    means = []
+    for k in (4, 16, 64):
+        b, c = _topk(base, targets, k), _topk(cand, targets, 64)  # candidate's top-k covers the baseline's
+        kl = topk_token_stats(b, c)["kl"]
+        assert bool((kl <= full + 1e-12).all())  # coarse-graining never raises a divergence
+        means.append(float(kl.mean()))
+    assert means[0] <= means[1] <= means[2] and abs(means[2] - float(full.mean())) < 1e-9
+    same = topk_token_stats(_topk(base, targets, 8), _topk(base, targets, 8))["kl"]
+    assert float(same.abs().max()) < 1e-12

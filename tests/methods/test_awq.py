@@ -18,7 +18,7 @@ from quantkit.models.loader import open_model
 from quantkit.models.source import resolve_model
 from quantkit.pipeline.activations import ActivationStore
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
-from quantkit.pipeline.engine import plan_layers, process_layer, quantize_model
+from quantkit.pipeline.engine import LayerBatches, plan_layers, process_layer, quantize_model
 from quantkit.quant import QuantArgs
 from quantkit.quant.schemes import get_scheme
 from quantkit.quant.smoothing import expand_gqa, resolve_mappings
@@ -281,7 +281,7 @@ def test_search_beats_rtn_and_clip_beats_scale_only_on_real_activations(smollm2_
             acts = ActivationStore(None)
             for j, h in enumerate(hidden):
                 acts[j] = h
-            errors[label] = process_layer(layer, ctx, methods, acts, calls, len(hidden), len(hidden))
+            errors[label] = process_layer(layer, ctx, methods, LayerBatches.local(acts, calls, len(hidden)))
         assert errors["scale"] < 1.03 * errors["rtn"], (i, errors)
         assert errors["clip"] < errors["scale"], (i, errors)
         totals["rtn"] += errors["rtn"]

@@ -321,7 +321,7 @@ def test_process_layer_replaces_inputs_by_quantised_outputs_and_measures_error_o
     from quantkit.methods.gptq import GPTQ
     from quantkit.pipeline.activations import ActivationStore
     from quantkit.pipeline.capture import capture_layer_inputs, run_layer
-    from quantkit.pipeline.engine import layer_context, plan_layers, process_layer
+    from quantkit.pipeline.engine import LayerBatches, layer_context, plan_layers, process_layer
     from quantkit.models.loader import open_model
     from quantkit.models.source import resolve_model
     from quantkit.quant.schemes import get_scheme
@@ -337,7 +337,7 @@ def test_process_layer_replaces_inputs_by_quantised_outputs_and_measures_error_o
     acts = ActivationStore()
     for j, h in enumerate(hidden):
         acts[j] = h
-    rel = process_layer(layer, ctx, [GPTQ(scheme)], acts, calls, len(hidden), error_batches=2)
+    rel = process_layer(layer, ctx, [GPTQ(scheme)], LayerBatches.local(acts, calls, error_batches=2))
     with torch.no_grad():
         quantised = [run_layer(layer, h, c[0]) for h, c in zip(hidden, calls)]
         reference = [run_layer(original, h, c[0]) for h, c in zip(hidden, calls)]

@@ -211,3 +211,39 @@ def test_plain_generate_equals_transformers(models):
     target, _ = models
     tokens, _ = plain_generate(target, PROMPTS[0], 10)
     assert tokens == _hf_greedy(target, PROMPTS[0], 10)
+
+
+class _FixedDraft:
+    """A draft whose distribution is the same everywhere: top token with probability 0.4, three more at 0.2."""
+
+    def __init__(self):
+        self.q = torch.tensor([0.4, 0.2, 0.2, 0.2] + [0.0] * 4)
+
+    def root(self):
+        return self.q
+
+    def expand(self, tree, nodes):
+        return [self.q for _ in nodes]
+
+
+def test_dynamic_trees_follow_the_measured_acceptance_not_the_drafts_own_confidence():
+    from quantkit.runtime.speculative.trees import AcceptanceRates, DraftTree, build_dynamic
+
+    draft = _FixedDraft()
+    # Uncalibrated (EAGLE-2's raw confidence): 0.4 * 0.4 = 0.16 < 0.2, so the 8-node tree spends its budget on
+    # the root's siblings and their children, two levels deep.
+    raw = build_dynamic(draft, 8, 6, False, None)
+    assert max(raw.depths) == 1
+    # The draft is under-confident: its 0.4 tokens are always accepted, its 0.2 ones never. Measured that way,
+    # the chain of top tokens is worth the whole budget.
+    rates = AcceptanceRates()
+    for _ in range(50):
+        t = DraftTree()
+        top = t.add(0, -1, None, 0, prob=0.4)
+        t.add(1, -1, None, 1, prob=0.2)
+        rates.record(t, [top])
+    assert rates.calibrated(0.4) > 0.95 and rates.calibrated(0.2) < 0.05
+    tuned = build_dynamic(draft, 8, 6, False, None, rates)
+    assert max(tuned.depths) == 5  # the depth limit: a chain of the top tokens, 6 deep
+    chain_nodes = [i for i in range(len(tuned)) if tuned.ranks[i] == 0]
+    assert len(chain_nodes) == 6 and all(tuned.tokens[i] == 0 for i in chain_nodes)

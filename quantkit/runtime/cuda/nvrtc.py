@@ -36,8 +36,10 @@ class Compiled:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("QUANTKIT_CUDA_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quantkit" / "cubin"
-    return Path(root)
+    if os.environ.get("QUANTKIT_CUDA_CACHE"):
+        return Path(os.environ["QUANTKIT_CUDA_CACHE"])
+    quantkit_cache = os.environ.get("QUANTKIT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quantkit"
+    return Path(quantkit_cache) / "cubin"
 
 
 def include_dirs() -> list[str]:

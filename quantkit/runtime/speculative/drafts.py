@@ -99,7 +99,7 @@ class ModelDraft:
             if spec.kind in ("chain", "static"):
                 tree = build_static(self, 1 if spec.kind == "chain" else spec.width, spec.depth, sample, generator)
             elif spec.kind == "dynamic":
-                tree = build_dynamic(self, spec.nodes, spec.depth, sample, generator)
+                tree = build_dynamic(self, spec.nodes, spec.depth, sample, generator, rates)
             else:
                 tree = build_opt(self, opt_shape(rates, spec.nodes, spec.depth), sample, generator)
         # A separate draft keeps the committed text; the QSPEC draft gives the target its cache back as it was.

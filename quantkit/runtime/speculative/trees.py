@@ -5,9 +5,10 @@
 - `static:WxD`: W branches at the root (the draft's top W tokens, or W samples), each continued as a chain, D
   tokens deep in all (W * D nodes).
 - `dynamic:N`: EAGLE-2: grown level by level up to depth K; at each level the W = 4 nodes of highest
-  cumulative draft confidence (the product of the draft's probabilities along the path) are expanded, each
-  with its top 4 children; the N nodes of highest confidence form the tree (ancestor-closed, since confidence
-  only falls along a path). With sampling, expanded nodes keep all their children (drawn i.i.d. from the
+  cumulative draft confidence (the product along the path of the draft's probabilities, each calibrated by the
+  acceptance measured so far for draft tokens of that probability) are expanded, each with its top 4 children,
+  while one of them beats the N-th best node so far; the N nodes of highest confidence form the tree
+  (ancestor-closed, since confidence only falls along a path). With sampling, expanded nodes keep all their children (drawn i.i.d. from the
   draft), which the multi-draft acceptance needs, and the budget counts whole child sets.
 - `opt:N`: OPT-Tree: the N-node shape that maximises the expected accepted length E = sum over nodes of the
   product along its path of the measured acceptance rate of (depth, rank among siblings); the rates are
@@ -27,6 +28,7 @@ import torch
 from quantkit.errors import InputError
 
 DYNAMIC_WIDTH = 4  # children per expanded node and nodes expanded per level (EAGLE-2's top-k)
+CONFIDENCE_BINS = 10  # draft-probability bins whose measured acceptance calibrates dynamic trees
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,10 @@ class DraftTree:
     proposals: list[torch.Tensor | None] = field(default_factory=list)  # q a node was drawn from; None = chosen
     depths: list[int] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)  # rank among its siblings (0 = first)
+    probs: list[float | None] = field(default_factory=list)  # the draft's probability of the node (None: unknown)
 
-    def add(self, token: int, parent: int, proposal: torch.Tensor | None, rank: int) -> int:
+    def add(self, token: int, parent: int, proposal: torch.Tensor | None, rank: int, prob: float | None = None) -> int:
+        self.probs.append(prob)
         self.tokens.append(int(token))
         self.parents.append(parent)
         self.proposals.append(proposal)
@@ -129,26 +133,34 @@ def build_static(exp: Expander, width: int, depth: int, sample: bool, generator)
     return tree
 
 
-def build_dynamic(exp: Expander, budget: int, depth: int, sample: bool, generator) -> DraftTree:
-    """EAGLE-2 style: expand the most confident nodes level by level; keep the `budget` most confident."""
+def build_dynamic(exp: Expander, budget: int, depth: int, sample: bool, generator,
+                  rates: "AcceptanceRates | None" = None) -> DraftTree:
+    """EAGLE-2 style: expand the most confident nodes level by level; keep the `budget` most confident. A
+    node's confidence is the product along its path of the draft's probabilities, each mapped through the
+    acceptance measured so far for draft tokens of that probability (`AcceptanceRates.calibrated`): a draft
+    that is sure and wrong, or unsure and right, then grows the tree its acceptance deserves."""
     tree, conf = DraftTree(), []
 
     def add_children(parent: int, q: torch.Tensor, parent_conf: float) -> list[int]:
         out = []
         for rank, (tok, prop) in enumerate(_children(q, DYNAMIC_WIDTH, sample, generator)):
-            out.append(tree.add(tok, parent, prop, rank))
-            conf.append(parent_conf * float(q[tok]))
+            p = float(q[tok])
+            out.append(tree.add(tok, parent, prop, rank, prob=p))
+            conf.append(parent_conf * (rates.calibrated(p) if rates is not None else p))
         return out
 
     level = add_children(-1, exp.root(), 1.0)
     for _ in range(depth - 1):
-        if len(tree) >= budget:
-            break
         expand = heapq.nlargest(DYNAMIC_WIDTH, level, key=lambda n: (conf[n], -n))
         if sample:  # whole child sets: stop before the budget would split one
             expand = expand[: max(0, (budget - len(tree)) // DYNAMIC_WIDTH)]
-            if not expand:
-                break
+        elif len(tree) >= budget:
+            # Confidence only falls along a path: once no node to expand beats the budget-th best node, no
+            # deeper node can enter the tree.
+            cutoff = heapq.nlargest(budget, conf)[-1]
+            expand = [n for n in expand if conf[n] > cutoff]
+        if not expand:
+            break
         level = []
         for node, q in zip(expand, exp.expand(tree, expand)):
             level += add_children(node, q, conf[node])
@@ -165,7 +177,8 @@ def _subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
     out = DraftTree()
     for old in keep:
         parent = tree.parents[old]
-        out.add(tree.tokens[old], -1 if parent < 0 else index[parent], tree.proposals[old], tree.ranks[old])
+        out.add(tree.tokens[old], -1 if parent < 0 else index[parent], tree.proposals[old], tree.ranks[old],
+                tree.probs[old])
     return out
 
 
@@ -176,10 +189,19 @@ class AcceptanceRates:
 
     seen: dict[tuple[int, int], float] = field(default_factory=dict)
     hits: dict[tuple[int, int], float] = field(default_factory=dict)
+    # Acceptance by the draft's own probability of the node, in CONFIDENCE_BINS equal bins (dynamic trees).
+    prob_seen: list[float] = field(default_factory=lambda: [0.0] * CONFIDENCE_BINS)
+    prob_hits: list[float] = field(default_factory=lambda: [0.0] * CONFIDENCE_BINS)
 
     def rate(self, depth: int, rank: int) -> float:
         prior = 0.6 / (rank + 1)
         return (self.hits.get((depth, rank), 0.0) + 2 * prior) / (self.seen.get((depth, rank), 0.0) + 2)
+
+    def calibrated(self, p: float) -> float:
+        """The measured acceptance of draft tokens whose draft probability was near p (prior: p itself, as
+        EAGLE-2 assumes, counted as two observations)."""
+        b = min(int(p * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
+        return (self.prob_hits[b] + 2 * p) / (self.prob_seen[b] + 2)
 
     def record(self, tree: DraftTree, path: list[int]) -> None:
         """A node counts as tried when its parent was reached (the root always is)."""
@@ -189,6 +211,11 @@ class AcceptanceRates:
                 key = (tree.depths[i], tree.ranks[i])
                 self.seen[key] = self.seen.get(key, 0.0) + 1
                 self.hits[key] = self.hits.get(key, 0.0) + (i in path)
+                p = tree.probs[i]
+                if p is not None:
+                    b = min(int(p * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
+                    self.prob_seen[b] += 1
+                    self.prob_hits[b] += i in path
 
 
 def opt_shape(rates: AcceptanceRates, budget: int, max_depth: int, max_width: int = 8) -> list[tuple[int, int]]:
