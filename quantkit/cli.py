@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -179,6 +178,13 @@ def quantize(
         out = output or (Path(rec.output) if rec.output else None)
         if out is None:
             raise QuantkitError("--output is required (or an `output:` field in the recipe)")
+        from quantkit.distributed import is_worker
+        from quantkit.pipeline.options import ineffective_options
+
+        given = {"--group-size": group_size, "--dataset": dataset, "--num-samples": num_samples, "--seq-len": seq_len,
+                 "--text-column": text_column, "--actorder": actorder, "--dampening": dampening, "--alpha": alpha}
+        for warning in [] if is_worker() else ineffective_options(rec, given):
+            err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
         if dry_run:
             from quantkit.pipeline.plan import PlanOptions, plan_run
 
@@ -520,14 +526,16 @@ def _print_serving(report: dict) -> None:
             table.add_row(row["kernel"], str(row["linears"]), str(row["n_part"]), str(row["k_part"]))
         console.print(table)
     if report["problems"]:
-        table = Table(title=f"{len(report['problems'])} problem(s)")
-        table.add_column("tensor")
-        table.add_column("reason")
-        for p in report["problems"][:40]:
-            table.add_row(p["tensor"], p["reason"])
-        console.print(table)
-        if len(report["problems"]) > 40:
-            console.print(f"... and {len(report['problems']) - 40} more (--json lists all)")
+        groups = report["problem_groups"]
+        console.print(f"{len(report['problems'])} problem(s), {len(groups)} distinct:", highlight=False)
+        for g in groups:
+            console.print(f"- {g['reason']}\n  on {g['count']} tensor(s): {', '.join(g['tensors'])}", highlight=False,
+                          soft_wrap=True)
+        if report["fixes"]:
+            console.print("would load after: " + "; or ".join(report["fixes"]), highlight=False, soft_wrap=True)
+        else:
+            console.print("no serving option or re-quantisation of the same tensors that quantkit checks would load it",
+                          highlight=False)
     for w in report["warnings"]:
         console.print(f"[yellow]warning:[/] {w['tensor']}: {w['reason']}", highlight=False)
     console.print(f"[dim]kernel facts: {report['facts']['source']}[/]", highlight=False)

@@ -73,7 +73,7 @@ def cpu_info() -> CpuInfo:
 class ComputeChoice:
     dtype: torch.dtype  # what the matmuls compute in
     autocast: bool  # fp32 weights under bf16 autocast (fp32 model, bf16 chosen)
-    reason: str  # forced | measured | cached | cuda | no-candidates
+    reason: str  # forced | measured | cached | cuda | no-candidates | resumed (kept from the run's journal)
     gflops: dict[str, float] = field(default_factory=dict)  # measured speed per candidate dtype
     cpu: str = ""  # CpuInfo.describe() of the machine that measured
 

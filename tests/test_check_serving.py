@@ -112,6 +112,7 @@ def test_version_features_and_cpu_limits(tmp_path):
     assert _check(asym, "--gpu", "sm_80")["compatible"]  # Marlin takes zero points
     cpu = _check(asym, "--gpu", "cpu")
     assert not cpu["compatible"] and "zero points not supported" in cpu["problems"][0]["reason"]
+    assert cpu["fixes"] == ["re-quantise symmetric (no zero points)"]
 
 
 def test_quantize_tp_warnings_use_the_same_split_rules(tiny_models, w4_tiny, tmp_path):
@@ -145,3 +146,25 @@ def test_bad_arguments_are_one_line(w4_tiny, tmp_path):
         assert result.exit_code == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
     missing = runner.invoke(app, ["check-serving", str(tmp_path / "nothing")])
     assert missing.exit_code == 2 and "does not exist" in missing.stderr
+
+
+def test_problems_are_grouped_by_reason_in_layer_order_with_the_fix_that_loads(tmp_path):
+    """12 layers, W4A16 g128, sm_80, tp=4: every o_proj has K/4 = 64, no whole group of 128 (one reason,
+    twelve layers). Serving at tp=2 loads; no re-quantisation does (Marlin also wants K per rank in multiples of
+    128, which tp=4 leaves at 64): each fix is checked, not guessed."""
+    from tests.conftest import make_tiny_model
+
+    src = make_tiny_model(tmp_path / "src", "llama", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                          num_key_value_heads=4, num_hidden_layers=12)
+    out = tmp_path / "w4g128"
+    _quantize(src, out, group=128)
+    report = _check(out, "--gpu", "sm_80", "--tp", "4")
+    assert not report["compatible"]
+    groups = {g["reason"]: g for g in report["problem_groups"]}
+    o = groups["K/tp = 64 is not a multiple of group size 128"]
+    assert o["count"] == 12 and o["tensors"] == ["model.layers.0-11.self_attn.o_proj"]
+    assert report["fixes"] == ["serve with --tensor-parallel-size 2 (the largest that loads)"]
+    shown = runner.invoke(app, ["check-serving", str(out), "--gpu", "sm_80", "--tp", "4"])
+    assert shown.exit_code == 3
+    assert shown.stdout.count("K/tp = 64") == 1 and "model.layers.0-11.self_attn.o_proj" in shown.stdout
+    assert "would load after: serve with --tensor-parallel-size 2" in shown.stdout

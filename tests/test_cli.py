@@ -229,3 +229,37 @@ def test_quantize_and_inspect_name_the_same_two_sizes(tmp_path, tiny_models):
     assert made["output_bytes"] == shown["folder_bytes"] == folder > weights
     text = _quantize(*_base(tmp_path, tiny_models["llama"]), "--overwrite").stdout
     assert f"weights {weights / 1e6:.1f} MB" in text and f"folder {folder / 1e6:.1f} MB" in text
+
+
+@pytest.mark.parametrize("flag,value", [("--num-samples", "0"), ("--seq-len", "-5")])
+def test_a_bad_count_names_the_option_that_is_wrong(tmp_path, tiny_models, flag, value):
+    args = _base(tmp_path, tiny_models["llama"])
+    args[args.index(flag) + 1] = value
+    other = "--seq-len" if flag == "--num-samples" else "--num-samples"
+    result = _quantize(*args)
+    _assert_one_line_error(result, 2, flag, value)
+    assert other not in result.stderr
+    evaluated = runner.invoke(app, ["eval", str(tiny_models["llama"]), flag, value])
+    _assert_one_line_error(evaluated, 2, flag, value)
+    assert other not in evaluated.stderr
+
+
+def test_options_without_effect_are_named_in_one_warning_each(tmp_path, tiny_models):
+    model = ["--model", str(tiny_models["llama"]), "--seq-len", "16"]
+    w8 = _quantize(*model, "--scheme", "W8A8", "--group-size", "64", "--num-samples", "2",
+                   "--output", str(tmp_path / "w8"))
+    assert w8.exit_code == 0, w8.output
+    assert "warning: --group-size 64 has no effect with W8A8: its weight scales are per output channel" in w8.stderr
+    fp8 = _quantize("--model", str(tiny_models["llama"]), "--method", "fp8", "--scheme", "FP8_DYNAMIC",
+                    "--num-samples", "64", "--output", str(tmp_path / "fp8"))
+    assert fp8.exit_code == 0, fp8.output
+    assert "warning: --num-samples has no effect: fp8 with FP8_DYNAMIC is data-free" in fp8.stderr
+    gptq = _quantize(*model, "--method", "gptq", "--group-size", "32", "--num-samples", "2", "--alpha", "0.5",
+                     "--output", str(tmp_path / "gptq"))
+    assert gptq.exit_code == 0, gptq.output
+    assert gptq.stderr.count("warning:") == 1 and "--alpha has no effect: it is a smoothquant option" in gptq.stderr
+    rtn = _quantize(*model, "--num-samples", "64", "--group-size", "32", "--output", str(tmp_path / "rtn"))
+    assert rtn.exit_code == 0 and "warning: --num-samples 64 has no effect with rtn" in rtn.stderr
+    used = _quantize(*model, "--method", "gptq", "--group-size", "32", "--num-samples", "2", "--actorder", "group",
+                     "--output", str(tmp_path / "used"))
+    assert used.exit_code == 0 and "warning" not in used.stderr

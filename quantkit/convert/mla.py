@@ -50,6 +50,7 @@ from quantkit.convert.rope import (complex_rows, frequency_rotations, interleave
                                    real_rows)
 from quantkit.convert.output import prepare_output
 from quantkit.errors import InputError, RunError
+from quantkit.formats.files import publish
 
 CONVERTIBLE = ("llama", "mistral", "qwen2")
 ALREADY_MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3", "glm4_moe_lite")
@@ -642,9 +643,7 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
         raise
     finally:
         stack.close()
-    if output.exists():
-        shutil.rmtree(output)
-    partial.rename(output)
+    publish(partial, output)
     return summary
 
 
@@ -842,9 +841,7 @@ def _run_convert(model: str | None, output: Path, ranks: list[int | None], rope_
                 plot_sweep(runs, partial_root / "sweep.png", f"MLA conversion of {resolved.label}")
                 report["plot"] = str(output / "sweep.png")
             (partial_root / "sweep.json").write_text(json.dumps(report, indent=2, default=str))
-            if output.exists():
-                shutil.rmtree(output)
-            partial_root.rename(output)
+            publish(partial_root, output)
     except BaseException:
         if sweep:
             shutil.rmtree(partial_root, ignore_errors=True)

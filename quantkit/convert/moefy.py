@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from quantkit.convert.output import prepare_output
 from quantkit.errors import InputError
+from quantkit.formats.files import publish
 
 LAYOUTS = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
 ROUTER_FITS = ("lstsq", "centroid")
@@ -492,9 +493,7 @@ def moefy_model(source: str | Path | None, output: Path, opts: MoEfyOptions, dat
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    if output.exists():
-        shutil.rmtree(output)
-    partial.rename(output)
+    publish(partial, output)
     return summary
 
 

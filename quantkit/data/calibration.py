@@ -170,8 +170,10 @@ def build_token_blocks(
     split: str = "calibration",
     text_column: str | None = None,
 ) -> CalibrationSet:
-    if num_samples <= 0 or seq_len <= 1:
-        raise InputError("num_samples must be >= 1 and seq_len >= 2")
+    if num_samples <= 0:
+        raise InputError(f"num_samples (--num-samples) must be >= 1, got {num_samples}")
+    if seq_len <= 1:
+        raise InputError(f"seq_len (--seq-len) must be >= 2, got {seq_len}")
     from quantkit.data import self_generated
 
     if self_generated.is_special(source):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import InputError
+from quantkit.formats.files import publish
 
 OPENERS = [
     "The history of", "In mathematics,", "def main():", "Dear Sir or Madam,", "Ingredients:", "Breaking news:",
@@ -111,7 +112,7 @@ def generate_blocks(model_path: str | Path, num_samples: int, seq_len: int, seed
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_suffix(".tmp")
     save_file({"input_ids": ids}, str(tmp), metadata={"model": str(model_path), "key": key})
-    tmp.replace(cached)
+    publish(tmp, cached)
     return ids
 
 

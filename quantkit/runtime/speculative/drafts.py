@@ -141,9 +141,12 @@ def _nothing():
     yield
 
 
+SELF_DRAFT_BITS = {"W4A8": 8, "W4A4": 4, "A8": 8, "A4": 4}  # self:SCHEME -> activation bits of the draft pass
+
+
 def self_draft(model, scheme: str) -> ModelDraft:
     """QSPEC: `W4A8` / `W4A4` (the target's own weights, activations per token at 8 / 4 bits in the draft pass)."""
-    bits = {"W4A8": 8, "W4A4": 4, "A8": 8, "A4": 4}.get(scheme.upper())
+    bits = SELF_DRAFT_BITS.get(scheme.upper())
     if bits is None:
         from quantkit.errors import InputError
 
