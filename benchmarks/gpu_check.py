@@ -1,7 +1,7 @@
 """One prepared GPU check of csrc/ (issue #16): parity of every kernel and shape class with the torch
 reference, timings, and decode tokens/s. Run through benchmarks/gpu_check.sh (< 8 minutes on an H200).
 
-Needs CUDA torch and quantkit[cuda] in the running environment. Timings: CUDA events around each run after
+Needs CUDA torch and quantkit-llm[cuda] in the running environment. Timings: CUDA events around each run after
 warm-up, median of 30; between runs a 2x-L2-sized buffer is written (L2 flush) and weight copies are rotated
 so that the copies together exceed 2x the L2 (every run reads its weights from HBM). Bandwidth is reported in
 GB/s and as % of a measured device-to-device copy; compute in TFLOPS and as % of the device's dense peak

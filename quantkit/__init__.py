@@ -1,6 +1,9 @@
 """quantkit: offline compression of large language models to compressed-tensors checkpoints."""
 
 
+DISTRIBUTION = "quantkit-llm"  # pip install quantkit-llm; imported as quantkit, run as `quantkit`
+
+
 def _version() -> str:
     """One version string: pyproject.toml's, as installed package metadata carries it.
 
@@ -13,7 +16,7 @@ def _version() -> str:
 
     here = Path(__file__).resolve()
     try:
-        dist = distribution("quantkit")
+        dist = distribution(DISTRIBUTION)
         if Path(str(dist.locate_file("quantkit/__init__.py"))).resolve() == here:
             return dist.version
     except (PackageNotFoundError, OSError):

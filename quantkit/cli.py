@@ -71,7 +71,7 @@ def _main(
 def _fail(message: str, code: int) -> None:
     from rich.markup import escape
 
-    # Messages carry user text and pip extras ('quantkit[eval]'): never let rich read them as markup.
+    # Messages carry user text and pip extras ('quantkit-llm[eval]'): never let rich read them as markup.
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
@@ -481,6 +481,48 @@ def eval_cmd(
                 f"{'<' if g['gate'] == 'min_top1' else '>'} {g['threshold']} ({g['gate']})", highlight=False, soft_wrap=True)
         if failed:
             raise typer.Exit(3)
+
+    _guarded(debug, body)
+
+
+@app.command("moefy", cls=_Command)
+def moefy_cmd(
+    experts: int = typer.Option(..., "--experts", help="Routed experts per layer (the dense MLP's neurons split among them)."),
+    top_k: int = typer.Option(..., "--top-k", help="Experts each token is routed to."),
+    output: Path = typer.Option(..., "--output", "-o", help="Output folder (written atomically)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Dense HF folder or .gguf (default: embedded SmolLM2-135M)."),
+    shared_experts: int = typer.Option(0, "--shared-experts", help="Always-on experts of the routed experts' size."),
+    layout: Optional[str] = typer.Option(None, "--layout", help="qwen2_moe, qwen3_moe or deepseek_v3 (default: qwen3_moe, qwen2_moe with shared experts)."),
+    router_fit: str = typer.Option("lstsq", "--router-fit", help="How the router is fitted to the clustering: lstsq or centroid."),
+    num_samples: int = typer.Option(16, "--num-samples", help="Calibration samples for the clustering and the router fit."),
+    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per calibration sample."),
+    eval_samples: int = typer.Option(8, "--eval-samples", help="Held-out KJV blocks for the KL report (0: skip)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Make a real-weight MoE from a dense model (MoEfication), e.g. to test MoE quantisation and `eval --moe`."""
+
+    def body():
+        from quantkit.convert.moefy import MoEfyOptions, evaluate_moe, moefy_model
+
+        opts = MoEfyOptions(experts=experts, top_k=top_k, shared_experts=shared_experts,
+                            layout=layout or ("qwen2_moe" if shared_experts else "qwen3_moe"), router_fit=router_fit)
+        summary = moefy_model(model, output, opts, num_samples=num_samples, seq_len=seq_len, overwrite=overwrite)
+        if eval_samples > 0:
+            ks = sorted({1, max(1, top_k // 2), top_k, min(experts, 2 * top_k), experts})
+            summary["eval"] = evaluate_moe(model, output, ks, num_samples=eval_samples)
+        summary.pop("layers")
+        if as_json:
+            _print_json(summary)
+            return
+        console.print(f"[green]wrote[/] {output}: {experts} experts, top-{top_k}, layout {opts.layout}", highlight=False)
+        for kind, fit in summary["router_fit_mean"].items():
+            console.print(f"router fit {kind}: oracle overlap {fit['oracle_overlap']}, mass captured "
+                          f"{fit['mass_captured']}", highlight=False)
+        for name, run in (summary.get("eval") or {}).get("runs", {}).items():
+            console.print(f"held-out KL(dense || MoE) routing {name}: {run['kl']:.4f}, top-1 agreement "
+                          f"{run['top1_agree']:.3f}", highlight=False)
 
     _guarded(debug, body)
 

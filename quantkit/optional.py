@@ -34,7 +34,7 @@ class MissingDependency(InputError):
 
 def missing_message(module: str, feature: str) -> str:
     p = OPTIONAL[module]
-    return f"{feature} needs {p.package}, which is not installed: pip install 'quantkit[{p.extra}]'"
+    return f"{feature} needs {p.package}, which is not installed: pip install 'quantkit-llm[{p.extra}]'"
 
 
 def require(module: str, feature: str) -> ModuleType:

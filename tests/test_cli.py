@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -263,3 +264,16 @@ def test_options_without_effect_are_named_in_one_warning_each(tmp_path, tiny_mod
     used = _quantize(*model, "--method", "gptq", "--group-size", "32", "--num-samples", "2", "--actorder", "group",
                      "--output", str(tmp_path / "used"))
     assert used.exit_code == 0 and "warning" not in used.stderr
+
+
+def test_manifest_has_the_phase_totals_the_readme_describes(tmp_path, tiny_models):
+    out = tmp_path / "out"
+    assert _quantize(*_base(tmp_path, tiny_models["llama"])).exit_code == 0
+    manifest = json.loads((out / "quantkit_manifest.json").read_text())
+    totals = manifest["phase_seconds"]
+    assert "outside_layers" in totals and "forward" in totals
+    for phase in set(totals) - {"outside_layers"}:
+        summed = sum(r["phases"].get(phase, 0.0) for r in manifest["layers"])
+        assert abs(totals[phase] - summed) < 0.01, phase
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "manifest sum them over the layers in `phase_seconds`" in readme

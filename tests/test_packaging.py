@@ -51,7 +51,7 @@ def test_wheel_install_runs_default_quantisation(tmp_path, smollm2_path):
     built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
                   "-q", "-w", wheels, src], cwd=tmp_path, env=os.environ.copy())
     assert built.returncode == 0, built.stderr
-    (wheel,) = wheels.glob("quantkit-*.whl")
+    (wheel,) = wheels.glob("quantkit_llm-*.whl")
 
     venv = tmp_path / "venv"
     assert _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path, env=os.environ.copy()).returncode == 0
@@ -69,7 +69,7 @@ def test_wheel_install_runs_default_quantisation(tmp_path, smollm2_path):
     work.mkdir()
     probe = _run([py, "-c", "import json, sys, quantkit; from importlib.metadata import version; "
                   "print(json.dumps({'file': quantkit.__file__, 'version': quantkit.__version__, "
-                  "'meta': version('quantkit'), 'path': sys.path}))"], cwd=work, env=env)
+                  "'meta': version('quantkit-llm'), 'path': sys.path}))"], cwd=work, env=env)
     assert probe.returncode == 0, probe.stderr
     info = json.loads(probe.stdout)
     assert Path(info["file"]).is_relative_to(venv), info["file"]  # the wheel's copy, not a checkout

@@ -104,9 +104,9 @@ def test_lock_of_a_killed_run_does_not_block_the_next(tmp_path):
 
 @pytest.mark.parametrize("module,args,needle", [
     ("matplotlib", ["--report", "REPORT"], "eval --report needs matplotlib, which is not installed: "
-                                           "pip install 'quantkit[eval]'"),
+                                           "pip install 'quantkit-llm[eval]'"),
     ("lm_eval", ["--lm-eval", "hellaswag"], "eval --lm-eval needs lm-eval, which is not installed: "
-                                            "pip install 'quantkit[lm-eval]'"),
+                                            "pip install 'quantkit-llm[lm-eval]'"),
 ])
 def test_missing_optional_package_is_named_with_its_extra(tmp_path, monkeypatch, module, args, needle):
     # None in sys.modules makes `import module` raise ModuleNotFoundError, exactly as if it were not installed.
@@ -123,7 +123,7 @@ def test_missing_matplotlib_inside_report_writing(tmp_path, monkeypatch):
     from quantkit.optional import MissingDependency
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(MissingDependency, match=r"quantkit\[eval\]"):
+    with pytest.raises(MissingDependency, match=r"quantkit-llm\[eval\]"):
         write_plots(tmp_path, {"results": [], "baseline": {}}, {})
 
 

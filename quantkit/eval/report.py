@@ -130,6 +130,32 @@ def _moe_markdown(report: dict) -> list[str]:
     return out
 
 
+def _integer_axis(axis, lo: int, hi: int) -> None:
+    """Ticks on whole numbers only: every one over a short range (matplotlib's integer locator gives up on a
+    range of one value and ticks 3.8, 4.0, 4.2), at most ten otherwise."""
+    from matplotlib.ticker import FixedLocator, MaxNLocator
+
+    axis.set_major_locator(FixedLocator(range(lo, hi + 1)) if hi - lo < 10 else MaxNLocator(nbins=10, integer=True))
+
+
+def offload_figure(plt, offload: list[dict], title: str):
+    """Hit rate (0..1) against the experts cached per layer (an integer axis, however few values it has)."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    caches = [o["cache"] for o in offload]
+    for policy in sorted({o["policy"] for o in offload}):
+        pts = sorted((o["cache"], o["hit_rate"]) for o in offload if o["policy"] == policy)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    _integer_axis(ax.xaxis, min(caches), max(caches))
+    ax.set_xlim(min(caches) - 0.5, max(caches) + 0.5)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("experts cached per layer")
+    ax.set_ylabel("hit rate")
+    ax.legend(fontsize=8)
+    ax.set_title(f"offload hit rate: {title}")
+    fig.tight_layout()
+    return fig
+
+
 def _moe_plots(folder: Path, report: dict, plt) -> list[str]:
     import numpy as np
 
@@ -152,15 +178,7 @@ def _moe_plots(folder: Path, report: dict, plt) -> list[str]:
         plt.close(fig)
         written.append(name)
         if m["offload"]:
-            fig, ax = plt.subplots(figsize=(6, 4))
-            for policy in sorted({o["policy"] for o in m["offload"]}):
-                pts = sorted((o["cache"], o["hit_rate"]) for o in m["offload"] if o["policy"] == policy)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
-            ax.set_xlabel("experts cached per layer")
-            ax.set_ylabel("hit rate")
-            ax.legend(fontsize=8)
-            ax.set_title(f"offload hit rate: {Path(r['checkpoint']).name}")
-            fig.tight_layout()
+            fig = offload_figure(plt, m["offload"], Path(r["checkpoint"]).name)
             name = f"moe_offload_{i}.png"
             fig.savefig(folder / name, dpi=110)
             plt.close(fig)
@@ -192,14 +210,7 @@ def write_plots(folder: Path, report: dict, token_kl: dict) -> list[str]:
     written.append("kl_distribution.png")
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in report["results"]:
-        ax.scatter(r["size_bytes"] / 1e6, r["kl_mean"])
-        ax.annotate(Path(r["checkpoint"]).name, (r["size_bytes"] / 1e6, r["kl_mean"]), fontsize=8)
-    ax.set_xlabel("size [MB]")
-    ax.set_ylabel("mean KL [nats]")
-    ax.set_title("size against KL")
-    fig.tight_layout()
+    fig = size_vs_kl_figure(plt, report)
     fig.savefig(folder / "size_vs_kl.png", dpi=110)
     written.append("size_vs_kl.png")
     plt.close(fig)
@@ -218,21 +229,55 @@ def write_plots(folder: Path, report: dict, token_kl: dict) -> list[str]:
         plt.close(fig)
     spec = speculative_rows(report)
     if spec:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for target, m in spec:
-            acc = m["per_position_acceptance"]
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{Path(target).name} <- {Path(m['draft']).name}")
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("acceptance")
-        ax.set_ylim(0, 1.05)
-        ax.set_title("speculative acceptance by draft position")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
+        fig = acceptance_figure(plt, spec)
         fig.savefig(folder / "speculative_acceptance.png", dpi=110)
         written.append("speculative_acceptance.png")
         plt.close(fig)
     written += _moe_plots(folder, report, plt)
     return written
+
+
+def size_vs_kl_figure(plt, report: dict):
+    """Each checkpoint's weights against its mean KL, with the baseline at KL 0 as the reference point (one
+    checkpoint alone would otherwise be a lone dot with nothing to compare it to)."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    base = report["baseline"]
+    points = [(f"baseline {Path(str(base.get('model', ''))).name}", base.get("size_bytes"), 0.0)]
+    points += [(Path(r["checkpoint"]).name, r["size_bytes"], r["kl_mean"]) for r in report["results"]]
+    for i, (name, size, kl) in enumerate(points):
+        if size is None or kl is None:
+            continue
+        ax.scatter(size / 1e6, kl, marker="s" if i == 0 else "o", color="black" if i == 0 else None, zorder=3)
+        ax.annotate(name, (size / 1e6, kl), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    ax.margins(x=0.15, y=0.15)
+    ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
+    ax.set_xlabel("weights [MB]")
+    ax.set_ylabel("mean KL [nats]")
+    ax.set_title("size against KL (baseline: KL 0)")
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=6))
+    fig.tight_layout()
+    return fig
+
+
+def acceptance_figure(plt, spec: list):
+    """Acceptance rate per draft position (an integer axis) for each target <- draft pair."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    longest = 1
+    for target, m in spec:
+        acc = m["per_position_acceptance"]
+        longest = max(longest, len(acc))
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{Path(target).name} <- {Path(m['draft']).name}")
+    _integer_axis(ax.xaxis, 1, longest)
+    ax.set_xlim(0.5, longest + 0.5)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("speculative acceptance by draft position")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
 
 
 def write_report(folder: Path, report: dict, token_kl: dict) -> list[str]:

@@ -76,14 +76,19 @@ def check_checkpoint(path: Path) -> Path:
     return path
 
 
-def default_baseline(checkpoint: Path) -> str | None:
-    """The model a quantkit checkpoint was made from (its manifest), else None (the embedded default)."""
-    manifest = checkpoint / MANIFEST
-    if manifest.is_file():
-        src = read_manifest(checkpoint).get("source", {}).get("path")
-        if src and Path(src).is_dir():
-            return src
-    return None
+def baseline_source(baseline: str | None, checkpoint: Path):
+    """The baseline to evaluate against: the one given, else the model the checkpoint was made from (its
+    manifest: read from where it was, named as the user named it, not by the cache folder it was converted
+    into), else the embedded default."""
+    from quantkit.models.source import ResolvedModel, resolve_model
+
+    if baseline:
+        return resolve_model(baseline)
+    if (checkpoint / MANIFEST).is_file():
+        src = read_manifest(checkpoint).get("source", {})
+        if src.get("path") and Path(src["path"]).is_dir():
+            return ResolvedModel(Path(src["path"]), src.get("model") or src["path"])
+    return resolve_model(None)
 
 
 def _tokenizer(path: Path):
@@ -177,7 +182,6 @@ def compute_for(path: Path, requested: str, device: torch.device) -> ComputeChoi
 
 def run_eval(opts: EvalOptions) -> EvalRun:
     from quantkit.data.calibration import build_token_blocks
-    from quantkit.models.source import resolve_model
 
     if opts.engine == "vllm":
         from quantkit.eval.vllm_engine import run_vllm_eval
@@ -210,7 +214,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
         for ckpt in checkpoints:
             mspec = moe_spec_of(ckpt)
             moe_opts.check(mspec.num_experts, mspec.top_k)
-    base_src = resolve_model(opts.baseline if opts.baseline else default_baseline(checkpoints[0]))
+    base_src = baseline_source(opts.baseline, checkpoints[0])
     base_path = check_model_folder(base_src.path, "baseline")
     base_tok = _tokenizer(base_path)
     if base_tok is None:

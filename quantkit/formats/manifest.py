@@ -98,6 +98,7 @@ def write_manifest(folder: Path, recipe, summary: dict, handle) -> dict:
         "torch_threads": torch.get_num_threads(),
         "compute": summary.get("compute"),  # the matmul dtype and the speeds it was chosen from
         "wall_seconds": summary["wall_seconds"],
+        "phase_seconds": summary.get("phase_seconds"),  # the layers' `phases` summed, plus outside_layers
         "peak_rss_bytes": summary["peak_rss_bytes"],
         "scheme": summary["scheme"],
         "method": summary["method"],

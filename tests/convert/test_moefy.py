@@ -8,6 +8,8 @@ case shows). With the router zeroed the combine is exactly constant and the matc
 
 from __future__ import annotations
 
+import json
+
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +155,25 @@ def test_make_moe_script_bad_input_is_one_line_exit_2(sources, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "--top-k" in proc.stderr
+
+
+def test_moefy_command_ships_with_the_package(tiny_models, tmp_path):
+    """`quantkit moefy` (no benchmarks/ script needed): writes a MoE transformers loads, reports its KL."""
+    from typer.testing import CliRunner
+    from transformers import AutoConfig
+
+    from quantkit.cli import app
+
+    out = tmp_path / "moe"
+    result = CliRunner().invoke(app, ["moefy", "--model", str(tiny_models["llama"]), "--experts", "4", "--top-k", "2",
+                                      "--num-samples", "4", "--seq-len", "32", "--eval-samples", "2",
+                                      "--output", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    cfg = AutoConfig.from_pretrained(out)
+    assert cfg.model_type == "qwen3_moe" and cfg.num_experts == 4 and cfg.num_experts_per_tok == 2
+    runs = summary["eval"]["runs"]
+    assert runs["top4"]["kl"] < runs["random2"]["kl"]  # all experts on = the dense MLP, far from random routing
+    bad = CliRunner().invoke(app, ["moefy", "--model", str(tiny_models["llama"]), "--experts", "4", "--top-k", "9",
+                                   "--output", str(tmp_path / "bad")])
+    assert bad.exit_code == 2 and "--top-k must be within 1..4" in bad.stderr and not (tmp_path / "bad").exists()

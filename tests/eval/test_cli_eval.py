@@ -234,3 +234,16 @@ def test_table_keeps_every_value_whole_when_piped(ckpts):
     row = report["results"][0]
     for key in ("checkpoint", "ppl", "kl_mean", "kl_p99", "top1_agree", "size_bytes"):
         assert str(row[key]) in table.stdout, (key, row[key])
+
+
+def test_default_baseline_is_named_as_the_user_named_the_source(ckpts, tmp_path):
+    """A checkpoint made from a hub id or a GGUF names that source in its report and cards, not the local folder
+    the source was fetched or converted into (which the manifest also records, to read it from)."""
+    ckpt = tmp_path / "named"
+    shutil.copytree(ckpts["w4"], ckpt)
+    manifest = json.loads((ckpt / "quantkit_manifest.json").read_text())
+    folder = manifest["source"]["path"]
+    manifest["source"]["model"] = "org/tiny-llama"
+    (ckpt / "quantkit_manifest.json").write_text(json.dumps(manifest))
+    base = _json(_eval(ckpt, "--json", *DATA))["baseline"]
+    assert base["model"] == "org/tiny-llama" and base["path"] == folder

@@ -1,6 +1,6 @@
 """quantkit's bundled CUDA runtime (csrc/): NVRTC-compiled kernels behind the kernel protocol.
 
-Optional: needs `pip install 'quantkit[cuda]'` (cuda-bindings and NVRTC / headers pinned to CUDA 13.0) and
+Optional: needs `pip install 'quantkit-llm[cuda]'` (cuda-bindings and NVRTC / headers pinned to CUDA 13.0) and
 a GPU from sm_80 on. Without them `availability()` says why in one line and everything runs on the
 reference path. `register()` offers these kernels for CUDA devices at the dispatch point (the runtime calls it
 the first time a model is loaded on a GPU); QUANTKIT_REFERENCE=1 / `--kernels reference` still force the reference.

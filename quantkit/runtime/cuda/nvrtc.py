@@ -51,7 +51,7 @@ def include_dirs() -> list[str]:
     for lib in ("cudart", "cccl"):
         d = pf.find_nvidia_header_directory(lib)
         if d is None:
-            raise CompileError(f"CUDA headers for {lib} not found (install quantkit[cuda])")
+            raise CompileError(f"CUDA headers for {lib} not found (install quantkit-llm[cuda])")
         dirs.append(str(d))
     return dirs
 

@@ -52,7 +52,7 @@ def availability() -> tuple[bool, str]:
 
         from quantkit.runtime.cuda.nvrtc import nvrtc_version
     except ImportError:
-        return False, f"CUDA kernels off: cuda-bindings is not installed (pip install 'quantkit[cuda]'); {tail}"
+        return False, f"CUDA kernels off: cuda-bindings is not installed (pip install 'quantkit-llm[cuda]'); {tail}"
     if not torch.cuda.is_available():
         return False, f"CUDA kernels off: torch sees no CUDA device (CPU build of torch, or no GPU/driver); {tail}"
     try:
@@ -69,7 +69,7 @@ def availability() -> tuple[bool, str]:
     if version < major * 1000 + minor * 10:
         return False, (f"CUDA kernels off: the driver supports CUDA {version // 1000}.{version % 1000 // 10}, older "
                        f"than NVRTC {major}.{minor} that compiles the kernels (update the driver or pin an older "
-                       f"quantkit[cuda]); {tail}")
+                       f"quantkit-llm[cuda]); {tail}")
     cap = torch.cuda.get_device_capability()
     arch = target_arch(cap)
     if arch is None:

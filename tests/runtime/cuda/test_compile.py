@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings not installed (pip install 'quantkit[cuda]')")
+pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings not installed (pip install 'quantkit-llm[cuda]')")
 
 from quantkit.runtime.cuda import runtime  # noqa: E402
 from quantkit.runtime.cuda.nvrtc import ARCHS, CompileError, compile_source, compile_text  # noqa: E402

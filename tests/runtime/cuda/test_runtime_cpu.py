@@ -48,7 +48,7 @@ def test_no_cuda_device_is_one_line(monkeypatch):
 def test_missing_cuda_bindings_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # makes the import fail as if not installed
     ok, line = runtime.availability()
-    assert not ok and "quantkit[cuda]" in line
+    assert not ok and "quantkit-llm[cuda]" in line
     _one_line(line)
 
 
