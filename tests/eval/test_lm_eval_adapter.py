@@ -13,7 +13,7 @@ from quantkit.errors import InputError
 def test_missing_lm_eval_is_a_clear_error(tiny_models):
     from quantkit.eval.lm_eval_adapter import run_lm_eval
 
-    with pytest.raises(InputError, match=r"not installed: pip install .quantkit\[lm-eval\]."):
+    with pytest.raises(InputError, match=r"not installed: pip install .quantkit-llm\[lm-eval\]."):
         run_lm_eval(None, None, "hellaswag")
 
 
