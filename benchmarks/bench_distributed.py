@@ -32,6 +32,39 @@ def digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.safetensors"))}
 
 
+# (hidden, intermediate, KV width = kv heads x head dim, layers): SmolLM2 as measured; the others the shapes the
+# prediction is written for (Llama-3-8B and -70B).
+SHAPES = {"SmolLM2-135M": (576, 1536, 192, 30), "Llama-3-8B": (4096, 14336, 1024, 32),
+          "Llama-3-70B": (8192, 28672, 1024, 80)}
+BANDWIDTHS_GB_S = {"25 GbE": 3.1, "100 Gb/s (IB / RoCE)": 12.5, "400 Gb/s": 50.0}
+
+
+def gptq_bytes_per_layer(hidden: int, inter: int, kv: int) -> dict[str, float]:
+    """What a GPTQ layer moves, from the algorithm: one float64 Hessian per input group (q/k/v share one, gate/up
+    one, o and down one each) all-reduced (a ring all-reduce sends and receives about twice the payload per rank),
+    and every solve's result (int8 codes, one per weight) gathered by every rank."""
+    hessians = 8 * (3 * hidden * hidden + inter * inter)
+    weights = hidden * (hidden + 2 * kv) + hidden * hidden + 2 * hidden * inter + inter * hidden
+    return {"hessian_allreduce": 2.0 * hessians, "results": float(weights), "total": 2.0 * hessians + weights}
+
+
+def prediction_lines(measured_per_layer: float | None) -> list[str]:
+    lines = ["", "## Communication per layer, predicted", "",
+             "GPTQ bytes per layer and rank from the algorithm (`gptq_bytes_per_layer`), and the seconds they take at "
+             "a stated link bandwidth (all of it spent on the all-reduce, no overlap with compute).", ""]
+    small = gptq_bytes_per_layer(*SHAPES["SmolLM2-135M"][:3])["total"]
+    if measured_per_layer:
+        lines += [f"Check on the measured model: SmolLM2-135M predicted {small / 1e6:.1f} MB per layer, measured "
+                  f"{measured_per_layer / 1e6:.1f} MB ({measured_per_layer / small:.2f}x).", ""]
+    head = "| model | MB per layer | layers | " + " | ".join(f"s per layer at {b}" for b in BANDWIDTHS_GB_S) + " |"
+    lines += [head, "|" + "---|" * (3 + len(BANDWIDTHS_GB_S))]
+    for name, (h, i, kv, n) in SHAPES.items():
+        b = gptq_bytes_per_layer(h, i, kv)["total"]
+        lines.append(f"| {name} | {b / 1e6:.0f} | {n} | " +
+                     " | ".join(f"{b / (gb * 1e9):.2f}" for gb in BANDWIDTHS_GB_S.values()) + " |")
+    return lines
+
+
 def main() -> None:
     import torch
 
@@ -39,7 +72,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--methods", default="gptq")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--num-samples", type=int, default=128)
+    ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     a = ap.parse_args()
     cores = os.cpu_count() or 1
@@ -94,6 +127,9 @@ def main() -> None:
             lines.append(f"| {row['method']} | {label} | {r['wall_s']:.1f} | {r['run_wall_s']:.1f} | "
                          f"{r['wall_s'] / base:.2f}x | {r['peak_rss_rank0'] / 1e6:.0f} | "
                          f"{moved:.1f} MB | {same} |")
+    dp_rows = [r for row in payload["rows"] if row["method"] == "gptq" for r in row["runs"].values() if r["distributed"]]
+    lines += prediction_lines(dp_rows[0]["distributed"]["bytes_moved_per_layer"] if dp_rows else None)
+    payload["prediction"] = {name: gptq_bytes_per_layer(*shape[:3]) for name, shape in SHAPES.items()}
     write_results("distributed", payload, "\n".join(lines) + "\n")
 
 

@@ -183,8 +183,15 @@ def quantize(
 
         given = {"--group-size": group_size, "--dataset": dataset, "--num-samples": num_samples, "--seq-len": seq_len,
                  "--text-column": text_column, "--actorder": actorder, "--dampening": dampening, "--alpha": alpha}
-        for warning in [] if is_worker() else ineffective_options(rec, given):
-            err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+        warnings = [] if is_worker() else ineffective_options(rec, given)
+
+        def warn() -> None:
+            for warning in warnings:
+                err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+
+        # At the start where someone watches; otherwise after the run, so a refused input stays one line.
+        if progress_enabled():
+            warn()
         if dry_run:
             from quantkit.pipeline.plan import PlanOptions, plan_run
 
@@ -195,6 +202,8 @@ def quantize(
                 _print_json(report)
             else:
                 _print_plan(report)
+            if not progress_enabled():
+                warn()
             return
         summary = quantize_model(rec, out, resume=resume, overwrite=overwrite, offload_dir=offload_dir, device=device,
                                  tp=tp, compute_dtype=_compute_choice(compute_dtype))
@@ -202,6 +211,8 @@ def quantize(
             from quantkit.distributed import leave_worker
 
             leave_worker(0)
+        if not progress_enabled():
+            warn()
         if as_json:
             _print_json(summary)
         else:

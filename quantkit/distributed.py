@@ -97,6 +97,38 @@ class Ranks:
                 raise InputError(f"rank {r}'s {what} differs from rank 0's; every rank must run the same command "
                                  f"on the same files")
 
+    def check_shared(self, folder, what: str) -> None:
+        """Refuse to start unless every rank sees the same `folder` (the output: each rank saves its share of the
+        resume state there): rank 0 leaves a file with a fresh token in it and every rank must read that token.
+        A node whose path points elsewhere (another machine's local disk, a relative path from another working
+        directory) is named in one line."""
+        if not self.distributed:
+            return
+        import secrets
+        from pathlib import Path
+
+        folder = Path(folder)
+        token = self.broadcast(secrets.token_hex(8) if self.writer else None)
+        marker = folder / f".quantkit-shared-{token}"
+        if self.writer:
+            folder.mkdir(parents=True, exist_ok=True)
+            marker.write_text(token)
+        self.barrier()
+        try:
+            seen = marker.read_text() == token
+        except OSError:
+            seen = False
+        views = self.gather((seen, str(folder.resolve())))
+        self.barrier()
+        if self.writer:
+            marker.unlink(missing_ok=True)
+        blind = [r for r, (ok, _) in enumerate(views) if not ok]
+        if blind:
+            r = blind[0]
+            raise InputError(f"{what} {folder} is not on storage every rank sees: rank {r} reads {views[r][1]} and does "
+                             f"not find what rank 0 wrote in {views[0][1]}; put it on a filesystem shared by every node "
+                             f"(it holds the resume state) and give an absolute path")
+
     def first_error(self, error: Exception | None) -> None:
         """After a step only some ranks check (rank 0 owns the output folder): raise the first rank's error on
         every rank, so none waits in a collective for a rank that has stopped."""

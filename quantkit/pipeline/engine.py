@@ -622,6 +622,7 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
 
     run_key = _run_key(recipe, calib, handle)
     ranks.agree(run_key, "recipe, model, calibration data or quantkit version")
+    ranks.check_shared(output.parent, "--output's folder")
     if ranks.world > n_batches:
         raise InputError(f"{ranks.world} ranks but this run calibrates on only {n_batches} batch(es) "
                          f"({setup.n_samples} samples, {setup.batch_size} a batch): use at most {n_batches} processes")

@@ -176,3 +176,38 @@ def test_float64_sums_of_float32_products_do_not_depend_on_the_split():
         seq32.add_(t)
     split32 = sum(xtx[:3], torch.zeros(48, 48)) + sum(xtx[3:], torch.zeros(48, 48))
     assert not torch.equal(seq32, split32)  # the float32 version would have differed
+
+
+def _node(args: list[str], node_rank: int, port: int, cwd: Path | None = None):
+    """One of two torchrun "nodes" on loopback (one process each): what two machines run."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
+           "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "quantkit", *args]
+    return subprocess.Popen(cmd, env=ENV, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_nodes_on_loopback_write_the_bytes_of_one_process(tiny_models, tmp_path):
+    model = tiny_models["llama"]
+    single = _single(_quantize_args(model, "gptq", tmp_path / "single"))
+    assert single.returncode == 0, single.stderr
+    port = _free_port()
+    nodes = [_node(_quantize_args(model, "gptq", tmp_path / "dp"), r, port) for r in (0, 1)]
+    results = [n.communicate(timeout=300) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [r[1][-2000:] for r in results]
+    summary = json.loads(results[0][0])
+    assert summary["distributed"]["world_size"] == 2 and results[1][0].strip() == ""
+    assert _digests(tmp_path / "dp") == _digests(tmp_path / "single")
+
+
+def test_an_output_not_every_node_sees_is_refused_in_one_line(tiny_models, tmp_path):
+    """Two nodes whose `--output out` resolves to different folders (as on two machines' local disks)."""
+    port = _free_port()
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    for c in cwds:
+        c.mkdir()
+    nodes = [_node(_quantize_args(tiny_models["llama"], "gptq", Path("out")), r, port, cwd=cwds[r]) for r in (0, 1)]
+    results = [n.communicate(timeout=120) for n in nodes]
+    assert all(n.returncode != 0 for n in nodes)
+    lines = [line for line in results[0][1].splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "not on storage every rank sees: rank 1 reads" in lines[0], results[0][1][-2000:]
+    assert not any(c.joinpath("out").exists() or c.joinpath("out.partial").exists() for c in cwds)
+    assert not list(cwds[0].glob(".quantkit-shared-*"))

@@ -14,6 +14,7 @@ from quantkit.runtime import dispatch, load_model, reference
 from quantkit.quant.args import QuantArgs
 from quantkit.runtime.formats import LinearFormat
 from quantkit.runtime.linear import QuantLinear
+from quantkit.runtime.kernels.torch_cpu import int_mm_is_exact
 
 TOKEN_INT8 = QuantArgs(num_bits=8, strategy="token", dynamic=True)
 TENSOR_INT8 = QuantArgs(num_bits=8, strategy="tensor")
@@ -87,7 +88,9 @@ def fp8_layer(n, k, strategy, act, *, dtype, seed=0) -> QuantLinear:
 
 # name -> (builder, {activation dtype: the kernel expected to serve it}). Shapes cover what torch's ops refuse:
 # out not a multiple of 16, odd or ragged K, groups of 16, K=576-like widths that 128-blocks do not divide.
-I4, I8, MM, CPP, DOT = "torch-int4pack", "torch-int8pack", "torch-int-mm", "cpu-dequant", "cpu-int4dot"
+I4, I8, CPP, DOT = "torch-int4pack", "torch-int8pack", "cpu-dequant", "cpu-int4dot"
+# torch._int_mm is exact only where oneDNN has more than AVX2 (see test_int_mm_probe_matches_an_exact_product)
+MM = "torch-int-mm" if int_mm_is_exact() else CPP
 BF, FP = torch.bfloat16, torch.float32
 CASES = {
     "w4_sym_g32": (lambda d: int_layer(64, 128, 4, True, 32, dtype=d), {BF: I4, FP: CPP}),
@@ -346,3 +349,13 @@ def test_int4dot_tiles_from_packed_bytes_equal_the_tiles_of_the_unpacked_values(
     layer = int_layer(40, 320, 4, False, dtype=torch.bfloat16)  # 40 rows: a padded last tile
     packed = layer.weight_packed.contiguous().view(torch.uint8)
     assert torch.equal(cpp.extension().tile_u4(packed, 320), cpp.tile_nibbles(base.unsigned_weight(layer)))
+
+
+def test_int_mm_probe_matches_an_exact_product():
+    """torch._int_mm serves W8A8 only where it is exact: on oneDNN's AVX2 path its pair products saturate at
+    int16 (`make test-avx2` found it). The probe must agree with a larger full-range product of other shapes."""
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randint(-128, 128, (33, 576), generator=gen, dtype=torch.int8)
+    b = torch.randint(-128, 128, (576, 96), generator=gen, dtype=torch.int8)
+    exact = torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
+    assert int_mm_is_exact() == exact
