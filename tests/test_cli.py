@@ -212,12 +212,12 @@ def test_convert_mla_reports_progress_lines_when_not_a_terminal(tmp_path, tiny_m
 
     result = runner.invoke(app, ["convert-mla", "--model", str(tiny_models["llama"]), "--output", str(tmp_path / "m"),
                                  "--num-samples", "8", "--seq-len", "64", "--refine-steps", "1500"],
-                           env={"QUANTKIT_NO_PROGRESS": None, "QUANTKIT_PROGRESS_INTERVAL": "0.2"})
+                           env={"QUANTKIT_NO_PROGRESS": None, "QUANTKIT_PROGRESS_INTERVAL": "0.5"})
     assert result.exit_code == 0, result.output
     stamps = [float(m) for m in re.findall(r"^\[\s*([0-9.]+) s\] convert-mla layers \d+/2", result.stderr, re.M)]
     assert stamps, result.stderr
-    # the timer runs whether or not a layer finished: no gap between lines (or before the first) over 5 intervals
-    assert len(stamps) >= 2 and all(b - a <= 1.0 for a, b in zip([0.0, *stamps], stamps)), stamps
+    # the timer runs whether or not a layer finished: no gap between lines (or before the first) over 6 intervals (a loaded machine)
+    assert len(stamps) >= 2 and all(b - a <= 3.0 for a, b in zip([0.0, *stamps], stamps)), stamps
 
 
 def test_quantize_and_inspect_name_the_same_two_sizes(tmp_path, tiny_models):
@@ -277,3 +277,37 @@ def test_manifest_has_the_phase_totals_the_readme_describes(tmp_path, tiny_model
         assert abs(totals[phase] - summed) < 0.01, phase
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "manifest sum them over the layers in `phase_seconds`" in readme
+
+
+def _readme_synopses() -> list[tuple[str, set[str]]]:
+    """(command, flags) of every `quantkit COMMAND ...` synopsis in README's bash blocks (continuation lines
+    joined), so the README cannot name an option a command does not take."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        entries: list[str] = []
+        for line in block.splitlines():
+            code = line.split("  #")[0]
+            if code.startswith("quantkit "):
+                entries.append(code)
+            elif entries and line.startswith(" ") and code.strip():
+                entries[-1] += " " + code.strip()
+            else:
+                entries.append("")
+        for e in entries:
+            m = re.match(r"quantkit ([a-z-]+)", e)
+            if m and m.group(1) not in ("A",):
+                out.append((m.group(1), set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", e))))
+    return out
+
+
+def test_every_option_the_readme_shows_is_one_the_command_takes():
+    commands = dict(_commands())
+    synopses = _readme_synopses()
+    assert {"quantize", "eval", "convert-mla", "check-serving", "moefy"} <= {c for c, _ in synopses}
+    for name, flags in synopses:
+        assert name in commands, f"README shows `quantkit {name}`, which is not a command"
+        taken = {o for p in commands[name].params for o in (*p.opts, *getattr(p, "secondary_opts", []))}
+        assert not flags - taken, f"README's `quantkit {name}` shows {sorted(flags - taken)}, which it does not take"

@@ -1,0 +1,165 @@
+"""check-serving against vLLM itself, for every checkpoint kind quantkit writes.
+
+    QUANTKIT_VLLM_PYTHON=benchmarks/.venv-vllm/bin/python \
+        .venv/bin/python benchmarks/vllm_agreement.py [--kinds W4A16,FP8,...] [--num-samples 4] [--seq-len 128]
+
+Per kind (built from the embedded SmolLM2 by quantkit's own commands): `quantkit check-serving --gpu cpu` says
+whether vLLM's CPU build will load it; vLLM's CPU build then loads it and scores held-out KJV blocks
+(`quantkit/eval/vllm_worker.py`); where it loads, its NLL per token is compared with transformers' on the same
+tokens (a disagreement over 0.02 nats is flagged). A row agrees when the rule check's verdict is what vLLM did.
+Each kind's row is written as soon as it is measured (benchmarks/results/vllm_agreement.{json,md}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import write_results  # noqa: E402
+
+QK = [sys.executable, "-m", "quantkit"]
+RTN = ["quantize", "--method", "rtn"]
+# kind -> (commands that build it, in order; OUT is the kind's folder, SRC an earlier step's output)
+KINDS = {
+    "W4A16 g64": [RTN + ["--scheme", "W4A16", "--group-size", "64"]],
+    "W4A16_ASYM g64": [RTN + ["--scheme", "W4A16_ASYM", "--group-size", "64"]],
+    "W4A16 g64 act-order (GPTQ)": [["quantize", "--method", "gptq", "--scheme", "W4A16", "--group-size", "64",
+                                    "--actorder", "group", "--num-samples", "16", "--seq-len", "256"]],
+    "W8A16 channel": [RTN + ["--scheme", "W8A16", "--group-size", "-1"]],
+    "W8A8 dynamic": [RTN + ["--scheme", "W8A8"]],
+    "W8A8_STATIC": [RTN + ["--scheme", "W8A8_STATIC"]],
+    "FP8 static tensor": [["quantize", "--method", "fp8", "--scheme", "FP8"]],
+    "FP8_DYNAMIC channel": [["quantize", "--method", "fp8", "--scheme", "FP8_DYNAMIC"]],
+    "FP8_BLOCK": [["quantize", "--method", "fp8", "--scheme", "FP8_BLOCK"]],
+    "MoE W4A16 (moefied, 8 experts top-2)": [
+        ["moefy", "--experts", "8", "--top-k", "2", "--num-samples", "8", "--seq-len", "256", "--eval-samples", "0",
+         "--output", "SRC"],
+        RTN + ["--model", "SRC", "--scheme", "W4A16", "--group-size", "64"]],
+    "MLA (convert-mla, bf16)": [["convert-mla", "--num-samples", "8", "--seq-len", "256", "--refine-steps", "0"]],
+}
+
+
+def build(kind: str, work: Path) -> Path:
+    out = work / kind.split(" ")[0].replace("/", "_") / "ckpt"
+    src = out.parent / "src"
+    if (out / "config.json").is_file():
+        return out
+    for step in KINDS[kind]:
+        args = [str(src) if a == "SRC" else a for a in step]
+        if "--output" not in args:
+            args += ["--output", str(out)]
+        args += ["--overwrite"]
+        proc = subprocess.run(QK + args, capture_output=True, text=True,
+                              env={**os.environ, "QUANTKIT_NO_PROGRESS": "1"})
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(args[:3])}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return out
+
+
+def transformers_nll(folder: Path, blocks) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for row in blocks:
+            ids = torch.tensor([row])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+            total -= float(logp.gather(-1, ids[0, 1:, None]).sum())
+            n += ids.shape[1] - 1
+    return total / n
+
+
+def main() -> None:
+    import torch
+
+    from quantkit.data.calibration import build_token_blocks
+    from quantkit.eval.vllm_engine import score, vllm_python
+    from quantkit.models.source import resolve_model
+    from quantkit.serving.check import ServingTarget, check_serving
+    from transformers import AutoTokenizer
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--num-samples", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    a = ap.parse_args()
+    python = vllm_python(None)
+    work = ROOT / "benchmarks" / ".work" / "vllm_agreement"
+    work.mkdir(parents=True, exist_ok=True)
+    base = resolve_model(None).path
+    tok = AutoTokenizer.from_pretrained(str(base))
+    blocks = build_token_blocks(tok, "kjv", a.num_samples, a.seq_len, 42, split="heldout").input_ids.tolist()
+    opts = SimpleNamespace(top_logprobs=1, tensor_parallel_size=1, throughput=False)
+    payload = {"cpu": f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs",
+               "load_average_before": os.getloadavg(), "tokens": len(blocks) * (a.seq_len - 1), "rows": []}
+    kinds = [k for k in KINDS if k in a.kinds.split(",")] or [k for k in KINDS if k.split(" ")[0] in a.kinds.split(",")]
+    for kind in kinds:
+        row = {"kind": kind}
+        began = time.perf_counter()
+        try:
+            ckpt = build(kind, work)
+        except RuntimeError as exc:
+            row.update(built=False, note=str(exc))
+            payload["rows"].append(row)
+            continue
+        verdict = check_serving(ckpt, ServingTarget(gpu="cpu"))
+        row["rules_say_loads"] = verdict["compatible"]
+        row["rule_problems"] = [g["reason"] for g in verdict.get("problem_groups", [])]
+        try:
+            res = score(python, ckpt, blocks, opts, "bfloat16")
+            row["vllm_loads"] = True
+            row["nll_vllm"] = -sum(v for b in res["blocks"] for v in b["actual"]) / payload["tokens"]
+        except Exception as exc:  # noqa: BLE001 - vLLM's refusal is the measurement
+            row["vllm_loads"] = False
+            row["vllm_error"] = str(exc)[:300]
+        try:
+            row["nll_transformers"] = transformers_nll(ckpt, blocks)
+        except Exception as exc:  # noqa: BLE001
+            row["transformers_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        if "nll_vllm" in row and "nll_transformers" in row:
+            row["nll_diff"] = row["nll_vllm"] - row["nll_transformers"]
+        row["agrees"] = row["rules_say_loads"] == row["vllm_loads"]
+        row["seconds"] = round(time.perf_counter() - began, 1)
+        payload["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        _write(payload)
+    payload["load_average_after"] = os.getloadavg()
+    _write(payload)
+
+
+def _write(payload: dict) -> None:
+    lines = ["# check-serving against vLLM's CPU build", "",
+             f"{payload['cpu']}; load average before {payload['load_average_before'][0]:.2f}"
+             + (f", after {payload['load_average_after'][0]:.2f}" if "load_average_after" in payload else "")
+             + f"; {payload['tokens']} held-out KJV tokens; vLLM CPU build, bf16", "",
+             "| kind | check-serving (cpu) | vLLM CPU | agree | NLL vLLM | NLL transformers | diff | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in payload["rows"]:
+        if r.get("built") is False:
+            lines.append(f"| {r['kind']} | - | - | - | - | - | - | not built: {r['note']} |")
+            continue
+        fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+        diff = r.get("nll_diff")
+        flag = "" if diff is None or abs(diff) <= 0.02 else " (over 0.02)"
+        note = "; ".join(filter(None, [", ".join(r["rule_problems"]), r.get("vllm_error", ""),
+                                       r.get("transformers_error", "")]))
+        lines.append(f"| {r['kind']} | {'loads' if r['rules_say_loads'] else 'refused'} | "
+                     f"{'loads' if r['vllm_loads'] else 'refused'} | {'yes' if r['agrees'] else 'NO'} | "
+                     f"{fmt(r.get('nll_vllm'))} | {fmt(r.get('nll_transformers'))} | "
+                     f"{'-' if diff is None else f'{diff:+.4f}'}{flag} | {note.replace('|', '/')} |")
+    write_results("vllm_agreement", payload, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
