@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -49,7 +50,7 @@ KINDS = {
 
 
 def build(kind: str, work: Path) -> Path:
-    out = work / kind.split(" ")[0].replace("/", "_") / "ckpt"
+    out = work / re.sub(r"[^A-Za-z0-9]+", "-", kind).strip("-") / "ckpt"
     src = out.parent / "src"
     if (out / "config.json").is_file():
         return out
@@ -69,7 +70,15 @@ def transformers_nll(folder: Path, blocks) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+    except RuntimeError:
+        # transformers' default compressed-tensors path cannot load zero points (README, "transformers ... loads
+        # asymmetric ones with dequantize=True"): the dequantised load is the same weights.
+        from transformers import CompressedTensorsConfig
+
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
+                                                     quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
     total, n = 0.0, 0
     with torch.no_grad():
         for row in blocks:
@@ -93,6 +102,7 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--num-samples", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--merge", action="store_true", help="keep the other kinds' rows of the last results file")
     a = ap.parse_args()
     python = vllm_python(None)
     work = ROOT / "benchmarks" / ".work" / "vllm_agreement"
@@ -104,6 +114,12 @@ def main() -> None:
     payload = {"cpu": f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs",
                "load_average_before": os.getloadavg(), "tokens": len(blocks) * (a.seq_len - 1), "rows": []}
     kinds = [k for k in KINDS if k in a.kinds.split(",")] or [k for k in KINDS if k.split(" ")[0] in a.kinds.split(",")]
+    previous = ROOT / "benchmarks" / "results" / "vllm_agreement.json"
+    if a.merge and previous.is_file():
+        old = json.loads(previous.read_text())
+        payload["merged_from"] = {"load_average_before": old["load_average_before"], "kinds": [
+            r["kind"] for r in old["rows"] if r["kind"] not in kinds]}
+        payload["rows"] = [r for r in old["rows"] if r["kind"] not in kinds]
     for kind in kinds:
         row = {"kind": kind}
         began = time.perf_counter()
@@ -132,6 +148,7 @@ def main() -> None:
         row["agrees"] = row["rules_say_loads"] == row["vllm_loads"]
         row["seconds"] = round(time.perf_counter() - began, 1)
         payload["rows"].append(row)
+        payload["rows"].sort(key=lambda r: list(KINDS).index(r["kind"]))
         print(json.dumps(row), flush=True)
         _write(payload)
     payload["load_average_after"] = os.getloadavg()
@@ -142,7 +159,9 @@ def _write(payload: dict) -> None:
     lines = ["# check-serving against vLLM's CPU build", "",
              f"{payload['cpu']}; load average before {payload['load_average_before'][0]:.2f}"
              + (f", after {payload['load_average_after'][0]:.2f}" if "load_average_after" in payload else "")
-             + f"; {payload['tokens']} held-out KJV tokens; vLLM CPU build, bf16", "",
+             + f"; {payload['tokens']} held-out KJV tokens; vLLM CPU build, bf16"
+             + (f" (rows {', '.join(payload['merged_from']['kinds'])} from the previous run, load average before "
+                f"{payload['merged_from']['load_average_before'][0]:.2f})" if "merged_from" in payload else ""), "",
              "| kind | check-serving (cpu) | vLLM CPU | agree | NLL vLLM | NLL transformers | diff | note |",
              "|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:

@@ -546,15 +546,22 @@ def check_serving_cmd(
     gpu: str = typer.Option("sm_90", "--gpu", help="Target compute capability: sm_80, sm_86, sm_89, sm_90, ... or cpu (vLLM's CPU build)."),
     vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="vLLM version to check format features against (default: the version the kernel facts were read from)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Activation dtype vLLM serves in (bfloat16, float16; default: the checkpoint's)."),
+    load: bool = typer.Option(False, "--load", help="After the rules, load the checkpoint in vLLM (the build --vllm-python runs; with a CPU build, check with --gpu cpu) and score 16 tokens: does vLLM agree with the rules? On by default where this Python imports vllm."),
+    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="With --load: the Python that has vLLM (default $QUANTKIT_VLLM_PYTHON, else this one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Will vLLM load this checkpoint (tp/pp split, GPU kernels, version features)? Exit 0 yes, 3 no."""
 
     def body():
-        from quantkit.serving.check import ServingTarget, check_serving
+        import importlib.util
+
+        from quantkit.serving.check import ServingTarget, check_serving, load_in_vllm
 
         report = check_serving(checkpoint, ServingTarget(tp, pp, gpu, vllm_version, dtype))
+        if load or vllm_python or importlib.util.find_spec("vllm") is not None:
+            report["vllm_load"] = load_in_vllm(checkpoint, report, vllm_python)
+            report["compatible"] = report["compatible"] and report["vllm_load"]["loaded"]
         if as_json:
             _print_json(report)
         else:
@@ -591,6 +598,11 @@ def _print_serving(report: dict) -> None:
                           highlight=False)
     for w in report["warnings"]:
         console.print(f"[yellow]warning:[/] {w['tensor']}: {w['reason']}", highlight=False)
+    if "vllm_load" in report:
+        v = report["vllm_load"]
+        said = "loaded and scored" if v["loaded"] else f"refused it: {v['error']}"
+        console.print(f"vLLM {v.get('vllm_version') or ''} on this machine {said}; the rules "
+                      f"{'agree' if v['agrees_with_rules'] else 'DISAGREE'}", highlight=False, soft_wrap=True)
     console.print(f"[dim]kernel facts: {report['facts']['source']}[/]", highlight=False)
 
 

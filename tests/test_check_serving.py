@@ -168,3 +168,25 @@ def test_problems_are_grouped_by_reason_in_layer_order_with_the_fix_that_loads(t
     assert shown.exit_code == 3
     assert shown.stdout.count("K/tp = 64") == 1 and "model.layers.0-11.self_attn.o_proj" in shown.stdout
     assert "would load after: serve with --tensor-parallel-size 2" in shown.stdout
+
+
+def test_load_without_vllm_is_one_line_with_the_install_command(w4_tiny, monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is importable here")
+    result = runner.invoke(app, ["check-serving", str(w4_tiny), "--gpu", "cpu", "--load"],
+                           env={"QUANTKIT_VLLM_PYTHON": None})
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "pip install 'quantkit-llm[vllm]'" in result.stderr
+
+
+VLLM_PYTHON = __import__("os").environ.get("QUANTKIT_VLLM_PYTHON")
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set QUANTKIT_VLLM_PYTHON to an interpreter with vLLM")
+def test_load_in_vllm_agrees_with_the_rules(w4_tiny, tmp_path, tiny_models):
+    """vLLM's CPU build loads the symmetric W4A16 checkpoint the rules pass; the verdict says they agree."""
+    report = _check(w4_tiny, "--gpu", "cpu", "--load")
+    assert report["vllm_load"]["loaded"] and report["vllm_load"]["agrees_with_rules"] and report["compatible"]

@@ -141,10 +141,14 @@ def _integer_axis(axis, lo: int, hi: int) -> None:
 def offload_figure(plt, offload: list[dict], title: str):
     """Hit rate (0..1) against the experts cached per layer (an integer axis, however few values it has)."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    caches = [o["cache"] for o in offload]
-    for policy in sorted({o["policy"] for o in offload}):
-        pts = sorted((o["cache"], o["hit_rate"]) for o in offload if o["policy"] == policy)
+    sized = [o for o in offload if o["cache"] is not None]
+    caches = [o["cache"] for o in sized] or [0]
+    for policy in sorted({o["policy"] for o in sized}):
+        pts = sorted((o["cache"], o["hit_rate"]) for o in sized if o["policy"] == policy)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    for o in offload:
+        if o["cache"] is None:  # every expert resident: no cache size, the hit rate over the whole range
+            ax.plot([min(caches), max(caches)], [o["hit_rate"]] * 2, linestyle="--", color="grey", label=o["policy"])
     _integer_axis(ax.xaxis, min(caches), max(caches))
     ax.set_xlim(min(caches) - 0.5, max(caches) + 0.5)
     ax.set_ylim(0, 1.05)

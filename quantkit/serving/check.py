@@ -261,3 +261,32 @@ def _check_features(qc, platform: str, cc: int | None, version: str, target: Ser
                                            f"(target {version}; {feat.source})")
         if feat.deprecated:
             warnings.append({"tensor": "quantization_config", "reason": f"{feat.description}: {feat.deprecated}"})
+
+
+def load_in_vllm(checkpoint: Path, report: dict, python: str | None = None) -> dict:
+    """Load the checkpoint in vLLM (the build `python` runs: a CPU build checks the CPU rules, a GPU build the
+    GPU's) and score 16 tokens of text. Returns {loaded, error, agrees_with_rules, vllm_version}; vLLM's
+    refusal is its own reason, in one line."""
+    from types import SimpleNamespace
+
+    from quantkit.errors import RunError
+    from quantkit.eval.vllm_engine import score, vllm_python
+    from quantkit.runtime.model import check_model_folder
+
+    folder = check_model_folder(Path(checkpoint), "checkpoint")
+    interpreter = vllm_python(python)
+    ids = list(range(1, 17))
+    try:
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(str(folder)).encode("In the beginning God created the heaven and the earth.")[:16]
+    except Exception:  # noqa: BLE001 - any 16 ids in range serve to prove the load
+        pass
+    opts = SimpleNamespace(top_logprobs=1, tensor_parallel_size=report["target"]["tp"], throughput=False)
+    try:
+        res = score(interpreter, folder, [ids], opts, report["target"]["dtype"])
+        out = {"loaded": True, "error": None, "vllm_version": res.get("vllm_version")}
+    except RunError as exc:
+        out = {"loaded": False, "error": str(exc).split(": ", 1)[-1], "vllm_version": None}
+    out["agrees_with_rules"] = out["loaded"] == report["compatible"]
+    return out

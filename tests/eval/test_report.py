@@ -70,6 +70,7 @@ def test_acceptance_and_offload_axes_are_integer_and_hold_every_point(n):
     plt.close(fig)
     offload = [{"policy": p, "cache": c, "hit_rate": h} for p in ("lru", "lfu")[:n] for c, h in ((4, 0.97),)]
     offload += [{"policy": "lru", "cache": c, "hit_rate": 1.0} for c in range(5, 5 + n - 1)]
+    offload += [{"policy": "resident", "cache": None, "hit_rate": 1.0}]  # what eval --moe reports first
     fig = offload_figure(plt, offload, "ckpt")
     ax = fig.axes[0]
     assert _integer_ticks(ax) and _points_inside(ax)
