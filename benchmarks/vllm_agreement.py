@@ -89,6 +89,24 @@ def transformers_nll(folder: Path, blocks) -> float:
     return total / n
 
 
+def runtime_nll(folder: Path, blocks) -> float:
+    """quantkit's runtime in bf16: it quantises activations as the checkpoint says (transformers' compressed-tensors
+    path decompresses the weights and leaves activations in bf16: a W8A16 reference for a W8A8 checkpoint)."""
+    import torch
+
+    from quantkit.runtime import load_model
+
+    rt = load_model(folder, torch.bfloat16)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for row in blocks:
+            ids = torch.tensor([row])
+            logp = torch.log_softmax(rt(input_ids=ids).logits[0, :-1].double(), -1)
+            total -= float(logp.gather(-1, ids[0, 1:, None]).sum())
+            n += ids.shape[1] - 1
+    return total / n
+
+
 def main() -> None:
     import torch
 
@@ -103,13 +121,24 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--merge", action="store_true", help="keep the other kinds' rows of the last results file")
+    ap.add_argument("--add-runtime", action="store_true",
+                    help="only add quantkit runtime NLLs to the last results file's rows (no vLLM)")
     a = ap.parse_args()
-    python = vllm_python(None)
     work = ROOT / "benchmarks" / ".work" / "vllm_agreement"
     work.mkdir(parents=True, exist_ok=True)
     base = resolve_model(None).path
     tok = AutoTokenizer.from_pretrained(str(base))
     blocks = build_token_blocks(tok, "kjv", a.num_samples, a.seq_len, 42, split="heldout").input_ids.tolist()
+    if a.add_runtime:
+        payload = json.loads((ROOT / "benchmarks" / "results" / "vllm_agreement.json").read_text())
+        for row in payload["rows"]:
+            folder = work / re.sub(r"[^A-Za-z0-9]+", "-", row["kind"]).strip("-") / "ckpt"
+            if (folder / "config.json").is_file():
+                row["nll_quantkit"] = runtime_nll(folder, blocks)
+                print(row["kind"], row["nll_quantkit"], flush=True)
+        _write(payload)
+        return
+    python = vllm_python(None)
     opts = SimpleNamespace(top_logprobs=1, tensor_parallel_size=1, throughput=False)
     payload = {"cpu": f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs",
                "load_average_before": os.getloadavg(), "tokens": len(blocks) * (a.seq_len - 1), "rows": []}
@@ -145,6 +174,7 @@ def main() -> None:
             row["transformers_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         if "nll_vllm" in row and "nll_transformers" in row:
             row["nll_diff"] = row["nll_vllm"] - row["nll_transformers"]
+        row["nll_quantkit"] = runtime_nll(ckpt, blocks)
         row["agrees"] = row["rules_say_loads"] == row["vllm_loads"]
         row["seconds"] = round(time.perf_counter() - began, 1)
         payload["rows"].append(row)
@@ -155,6 +185,12 @@ def main() -> None:
     _write(payload)
 
 
+def _diff(a, b) -> str:
+    if a is None or b is None:
+        return "-"
+    return f"{a - b:+.4f}" + (" (over 0.02)" if abs(a - b) > 0.02 else "")
+
+
 def _write(payload: dict) -> None:
     lines = ["# check-serving against vLLM's CPU build", "",
              f"{payload['cpu']}; load average before {payload['load_average_before'][0]:.2f}"
@@ -162,11 +198,14 @@ def _write(payload: dict) -> None:
              + f"; {payload['tokens']} held-out KJV tokens; vLLM CPU build, bf16"
              + (f" (rows {', '.join(payload['merged_from']['kinds'])} from the previous run, load average before "
                 f"{payload['merged_from']['load_average_before'][0]:.2f})" if "merged_from" in payload else ""), "",
-             "| kind | check-serving (cpu) | vLLM CPU | agree | NLL vLLM | NLL transformers | diff | note |",
-             "|---|---|---|---|---|---|---|---|"]
+             "NLL in nats per token; transformers decompresses the weights and keeps activations in bf16 (for W8A8 and "
+             "FP8 schemes a weight-only reference); quantkit's runtime quantises activations as the checkpoint says.", "",
+             "| kind | check-serving (cpu) | vLLM CPU | agree | NLL vLLM | NLL transformers | vLLM - transformers | "
+             "NLL quantkit runtime | vLLM - quantkit | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
         if r.get("built") is False:
-            lines.append(f"| {r['kind']} | - | - | - | - | - | - | not built: {r['note']} |")
+            lines.append(f"| {r['kind']} | - | - | - | - | - | - | - | - | not built: {r['note']} |")
             continue
         fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
         diff = r.get("nll_diff")
@@ -176,7 +215,8 @@ def _write(payload: dict) -> None:
         lines.append(f"| {r['kind']} | {'loads' if r['rules_say_loads'] else 'refused'} | "
                      f"{'loads' if r['vllm_loads'] else 'refused'} | {'yes' if r['agrees'] else 'NO'} | "
                      f"{fmt(r.get('nll_vllm'))} | {fmt(r.get('nll_transformers'))} | "
-                     f"{'-' if diff is None else f'{diff:+.4f}'}{flag} | {note.replace('|', '/')} |")
+                     f"{'-' if diff is None else f'{diff:+.4f}'}{flag} | {fmt(r.get('nll_quantkit'))} | "
+                     f"{_diff(r.get('nll_vllm'), r.get('nll_quantkit'))} | {note.replace('|', '/')} |")
     write_results("vllm_agreement", payload, "\n".join(lines) + "\n")
 
 

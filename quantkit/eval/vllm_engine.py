@@ -74,8 +74,19 @@ def score(python: str, model: Path, blocks: list[list[int]], opts, dtype: str) -
             raise RunError(f"vLLM stopped while running {model} (exit {proc.returncode}): {tail}")
         result = json.loads(res.read_text())
     if not result.get("ok"):
-        raise RunError(f"vLLM could not run {model}: {result.get('error')}")
+        raise RunError(f"vLLM could not run {model}: {_root_cause(proc.stderr) or result.get('error')}")
     return result
+
+
+def _root_cause(stderr: str) -> str | None:
+    """vLLM's engine core runs in a child process: the exception the worker catches only says the core failed
+    ("see root cause above"). The root cause is the last exception line the core printed."""
+    import re
+
+    lines = [line.strip() for line in stderr.splitlines()
+             if re.match(r"^\s*(\(EngineCore\S*\s+pid=\d+\)\s*)?[A-Za-z_.]*(Error|Exception): ", line)
+             and "Engine core initialization failed" not in line]
+    return re.sub(r"^\(EngineCore\S*\s+pid=\d+\)\s*", "", lines[-1])[:400] if lines else None
 
 
 def _tensors(result: dict) -> dict[str, torch.Tensor]:

@@ -57,8 +57,9 @@ KERNELS: tuple[Kernel, ...] = (
            k_multiple=128, k_part_of_group=True),
     Kernel("ExllamaLinearKernel", "wna16", "cuda", min_cc=60, g_idx_split_k=False, act_dtypes=("float16",),
            k_full_of_group=True, note="serve with --dtype float16 to use it"),
-    Kernel("CPUWNA16LinearKernel", "wna16", "cpu", bits=(4,), even_groups=True, zero_points=False,
-           n_multiple=32, k_multiple=32, note="zero points raise NotImplementedError (AWQ path)"),
+    # Zero points: its compressed-tensors path takes them (vLLM 0.32.0's CPU build loaded and scored a W4A16_ASYM
+    # SmolLM2, benchmarks/results/vllm_agreement.md); only the AWQ checkpoint path refused them.
+    Kernel("CPUWNA16LinearKernel", "wna16", "cpu", bits=(4,), even_groups=True, n_multiple=32, k_multiple=32),
     # int8 weights and activations (W8A8, W8A8_STATIC): _POSSIBLE_INT8_KERNELS
     Kernel("CutlassInt8ScaledMMLinearKernel", "int8", "cuda", min_cc=75, bits=(8,)),
     Kernel("TritonInt8ScaledMMLinearKernel", "int8", "cuda", min_cc=70, bits=(8,)),

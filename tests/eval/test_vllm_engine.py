@@ -1,0 +1,16 @@
+"""The vLLM engine's plumbing that runs without vLLM: the one line a refusal becomes."""
+
+from quantkit.eval.vllm_engine import _root_cause
+
+
+def test_a_refusal_names_the_engine_cores_exception_not_the_wrapper():
+    stderr = "\n".join([
+        "INFO 12-05 02:00:01 [core.py:90] Initializing a V1 LLM engine",
+        "(EngineCore_DP0 pid=4242) Traceback (most recent call last):",
+        "(EngineCore_DP0 pid=4242) ValueError: No compatible linear kernel for 8-bit weights on CPU",
+        "Traceback (most recent call last):",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ])
+    assert _root_cause(stderr) == "ValueError: No compatible linear kernel for 8-bit weights on CPU"
+    assert _root_cause("torch.OutOfMemoryError: CPU out of memory") == "torch.OutOfMemoryError: CPU out of memory"
+    assert _root_cause("nothing went wrong here\n") is None
