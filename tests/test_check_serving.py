@@ -194,3 +194,20 @@ def test_load_in_vllm_agrees_with_the_rules(w4_tiny, tmp_path, tiny_models):
     """vLLM's CPU build loads the symmetric W4A16 checkpoint the rules pass; the verdict says they agree."""
     report = _check(w4_tiny, "--gpu", "cpu", "--load")
     assert report["vllm_load"]["loaded"] and report["vllm_load"]["agrees_with_rules"] and report["compatible"]
+
+
+def test_group_act_order_is_refused_from_the_release_that_refuses_it(tiny_models, tmp_path):
+    """vLLM 0.32.0 refuses actorder='group' at config validation (measured on its CPU build); older releases
+    loaded it with a deprecation warning. The fix is checked: the same tensors with static act-order load."""
+    r = Recipe()
+    r.model.source = str(tiny_models["llama"])
+    r.quantization.method, r.quantization.scheme, r.quantization.group_size = "gptq", "W4A16", 32
+    r.quantization.options = {"gptq": {"actorder": "group"}}
+    r.calibration.num_samples, r.calibration.seq_len = 4, 32
+    out = tmp_path / "g_idx"
+    quantize_model(r, out)
+    new = _check(out, "--gpu", "cpu", "--vllm-version", "0.32.0")
+    assert not new["compatible"] and "is refused from vLLM 0.32.0 on" in new["problems"][0]["reason"]
+    assert "re-quantise with --actorder static (no g_idx)" in new["fixes"]
+    old = _check(out, "--gpu", "cpu", "--vllm-version", "0.31.0")
+    assert old["compatible"] and any("act-order 'group'" in w["reason"] for w in old["warnings"])

@@ -74,19 +74,31 @@ def score(python: str, model: Path, blocks: list[list[int]], opts, dtype: str) -
             raise RunError(f"vLLM stopped while running {model} (exit {proc.returncode}): {tail}")
         result = json.loads(res.read_text())
     if not result.get("ok"):
-        raise RunError(f"vLLM could not run {model}: {_root_cause(proc.stderr) or result.get('error')}")
+        why = _root_cause(proc.stdout + "\n" + proc.stderr) or result.get("error")  # vLLM logs to stdout
+        raise RunError(f"vLLM could not run {model}: {why}")
     return result
 
 
 def _root_cause(stderr: str) -> str | None:
-    """vLLM's engine core runs in a child process: the exception the worker catches only says the core failed
-    ("see root cause above"). The root cause is the last exception line the core printed."""
+    """vLLM's engine core and workers run in child processes: the exception the worker catches only says the core
+    failed ("see root cause above"). The root cause is the last exception a child logged, with the lines that
+    continue it (a kernel refusal lists its reasons below its first line)."""
     import re
 
-    lines = [line.strip() for line in stderr.splitlines()
-             if re.match(r"^\s*(\(EngineCore\S*\s+pid=\d+\)\s*)?[A-Za-z_.]*(Error|Exception): ", line)
-             and "Engine core initialization failed" not in line]
-    return re.sub(r"^\(EngineCore\S*\s+pid=\d+\)\s*", "", lines[-1])[:400] if lines else None
+    prefix = re.compile(r"^\s*\([^()]*pid=\d+\)\s*(?:[A-Z]+ \S+ \S+ \[[^\]]*\]\s?)?")
+    body = [prefix.sub("", line).rstrip() for line in stderr.splitlines()]
+    wrappers = ("initialization failed", "See stack trace for root cause", "See root cause above")
+    found = [i for i, line in enumerate(body) if re.match(r"^[A-Za-z_.]*(Error|Exception): ", line)
+             and not any(w in line for w in wrappers)]
+    if not found:
+        return None
+    i = found[-1]
+    more = []
+    for line in body[i + 1:i + 6]:
+        if not line.strip() or line.startswith(("Traceback", "[", "INFO", "WARNING")) or ":" not in line:
+            break
+        more.append(line.strip())
+    return " ".join([body[i].strip(), *more])[:400]
 
 
 def _tensors(result: dict) -> dict[str, torch.Tensor]:

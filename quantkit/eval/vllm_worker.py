@@ -73,8 +73,9 @@ def main() -> None:
     try:
         result = run(request)
     except Exception as exc:  # reported by quantkit as one line naming the model
-        lines = str(exc).strip().splitlines()
-        result = {"ok": False, "error": f"{type(exc).__name__}: {lines[0][:400] if lines else ''}"}
+        # The first lines: a pydantic ValidationError says what is wrong on its second line
+        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()][:2]
+        result = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(lines)[:400]}"}
     with open(sys.argv[2], "w") as fh:
         json.dump(result, fh)
 

@@ -259,7 +259,10 @@ def _check_features(qc, platform: str, cc: int | None, version: str, target: Ser
                 vs.version_tuple(version) < vs.version_tuple(feat.min_version):
             problem("quantization_config", f"{feat.description} needs vLLM >= {feat.min_version} "
                                            f"(target {version}; {feat.source})")
-        if feat.deprecated:
+        if feat.removed_in and vs.version_tuple(version) >= vs.version_tuple(feat.removed_in):
+            problem("quantization_config", f"{feat.description} is refused from vLLM {feat.removed_in} on "
+                                           f"(target {version}; {feat.source})")
+        elif feat.deprecated:
             warnings.append({"tensor": "quantization_config", "reason": f"{feat.description}: {feat.deprecated}"})
 
 

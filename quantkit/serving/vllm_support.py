@@ -86,6 +86,7 @@ class Feature:
     min_version: str | None = None  # first vLLM release that loads it
     platforms: tuple[str, ...] = ("cuda", "cpu")  # where the version bound applies
     deprecated: str | None = None  # loads now, but on its way out (a warning, not a refusal)
+    removed_in: str | None = None  # a vLLM release known to refuse it (and every later one)
     source: str = ""
 
 
@@ -98,7 +99,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature("actorder_group", "act-order 'group' (weight_g_idx, runtime reordering)",
             deprecated="vLLM RFC #48148 removes runtime group act-order; compressed-tensors >= 0.20 no longer "
                        "validates it. Re-quantise with actorder static (same accuracy, no runtime cost)",
-            source="vllm#48148"),
+            removed_in="0.32.0",
+            source="vllm#48148; vLLM 0.32.0's CPU build refuses it at config validation ('actorder=group is no "
+                   "longer supported'), measured in benchmarks/results/vllm_agreement.md; earlier releases not checked"),
 )
 
 
