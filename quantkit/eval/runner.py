@@ -3,7 +3,6 @@ one or more checkpoints against one baseline, all on quantkit's own runtime."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -180,6 +179,18 @@ def compute_for(path: Path, requested: str, device: torch.device) -> ComputeChoi
     return choose_compute_dtype(requested, model_dtype, device, matmul_shapes(read_config(path)), narrower=False)
 
 
+def resolve_baseline(baseline: str | None, checkpoints: list[Path]):
+    """(source, folder, tokenizer) of the baseline, every checkpoint checked to share its tokenizer."""
+    base_src = baseline_source(baseline, checkpoints[0])
+    base_path = check_model_folder(base_src.path, "baseline")
+    base_tok = _tokenizer(base_path)
+    if base_tok is None:
+        raise InputError(f"baseline {base_path} has no tokenizer that transformers can load")
+    for ckpt in checkpoints:
+        check_compatible(base_path, base_tok, ckpt)
+    return base_src, base_path, base_tok
+
+
 def run_eval(opts: EvalOptions) -> EvalRun:
     from quantkit.data.calibration import build_token_blocks
 
@@ -214,13 +225,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
         for ckpt in checkpoints:
             mspec = moe_spec_of(ckpt)
             moe_opts.check(mspec.num_experts, mspec.top_k)
-    base_src = baseline_source(opts.baseline, checkpoints[0])
-    base_path = check_model_folder(base_src.path, "baseline")
-    base_tok = _tokenizer(base_path)
-    if base_tok is None:
-        raise InputError(f"baseline {base_path} has no tokenizer that transformers can load")
-    for ckpt in checkpoints:
-        check_compatible(base_path, base_tok, ckpt)
+    base_src, base_path, base_tok = resolve_baseline(opts.baseline, checkpoints)
     prompts = None
     if spec.enabled or spec.save_outputs:
         prompts = spec_eval.load_prompts(spec.prompts, base_tok, spec.seed)

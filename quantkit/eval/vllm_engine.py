@@ -112,23 +112,16 @@ def run_vllm_eval(opts):
     """`quantkit eval --engine vllm`: the report of `runner.run_eval`, its figures measured by vLLM."""
     from quantkit.data.calibration import build_token_blocks
     from quantkit.eval.metrics import TOPK_KL, perplexity, summarize, topk_token_stats
-    from quantkit.eval.runner import (EvalRun, _round, _tokenizer, check_checkpoint, check_compatible,
-                                      baseline_source, evaluate_gates, size_figures, validate_options)
+    from quantkit.eval.runner import (EvalRun, _round, check_checkpoint, evaluate_gates, resolve_baseline, size_figures,
+                                      validate_options)
     from quantkit.formats.manifest import package_versions
     from quantkit.progress import progress_bar
-    from quantkit.runtime.model import check_model_folder
 
     validate_options(opts)
     refuse_runtime_only(opts)
     python = vllm_python(opts.vllm_python)
     checkpoints = [check_checkpoint(Path(c)) for c in opts.checkpoints]
-    base_src = baseline_source(opts.baseline, checkpoints[0])
-    base_path = check_model_folder(base_src.path, "baseline")
-    base_tok = _tokenizer(base_path)
-    if base_tok is None:
-        raise InputError(f"baseline {base_path} has no tokenizer that transformers can load")
-    for ckpt in checkpoints:
-        check_compatible(base_path, base_tok, ckpt)
+    base_src, base_path, base_tok = resolve_baseline(opts.baseline, checkpoints)
     dtype = "bfloat16" if opts.dtype == "auto" else opts.dtype
     data = build_token_blocks(base_tok, opts.dataset, opts.num_samples, opts.seq_len, opts.seed, split="heldout",
                               text_column=opts.text_column)
