@@ -211,3 +211,13 @@ def test_group_act_order_is_refused_from_the_release_that_refuses_it(tiny_models
     assert "re-quantise with --actorder static (no g_idx)" in new["fixes"]
     old = _check(out, "--gpu", "cpu", "--vllm-version", "0.31.0")
     assert old["compatible"] and any("act-order 'group'" in w["reason"] for w in old["warnings"])
+
+
+def test_static_fp8_is_refused_on_the_cpu_build_with_the_dynamic_fix(tiny_models, tmp_path):
+    """vLLM 0.32.0's CPU build fails at load on static per-tensor FP8 activations (measured); FP8_DYNAMIC runs."""
+    out = tmp_path / "fp8"
+    _quantize(tiny_models["llama"], out, scheme="FP8", method="fp8")
+    cpu = _check(out, "--gpu", "cpu")
+    assert not cpu["compatible"] and "does not run on the cpu build" in cpu["problems"][0]["reason"]
+    assert cpu["fixes"] == ["re-quantise with --scheme FP8_DYNAMIC (per-token activation scales)"]
+    assert _check(out, "--gpu", "sm_90")["compatible"]

@@ -146,6 +146,16 @@ def _fixes(folder: Path, config: dict, target: ServingTarget, report: dict) -> l
                 touched = True
         if touched and _check(folder, changed, target)["compatible"]:
             fixes.append(label)
+    changed = copy.deepcopy(config)
+    touched = False
+    for group in (changed["quantization_config"].get("config_groups") or {}).values():
+        w, a = group.get("weights") or {}, group.get("input_activations") or {}
+        if w.get("type") == "float" and a and not a.get("dynamic"):
+            w.update(strategy="channel")
+            a.update(dynamic=True, strategy="token")
+            touched = True
+    if touched and _check(folder, changed, target)["compatible"]:
+        fixes.append("re-quantise with --scheme FP8_DYNAMIC (per-token activation scales)")
     return fixes
 
 
@@ -252,8 +262,13 @@ def _check_features(qc, platform: str, cc: int | None, version: str, target: Ser
             present.add("actorder_group")
         if fmt.weights.strategy == "block" and platform == "cuda" and cc is not None and cc < 89:
             present.add("fp8_block_below_sm89")
+        if fmt.weights.type == "float" and fmt.input is not None and not fmt.input.dynamic:
+            present.add("fp8_static_activations")
     for feat in vs.FEATURES:
         if feat.key not in present:
+            continue
+        if platform in feat.refused_on:
+            problem("quantization_config", f"{feat.description} does not run on the {platform} build ({feat.source})")
             continue
         if feat.min_version and platform in feat.platforms and \
                 vs.version_tuple(version) < vs.version_tuple(feat.min_version):

@@ -87,6 +87,7 @@ class Feature:
     platforms: tuple[str, ...] = ("cuda", "cpu")  # where the version bound applies
     deprecated: str | None = None  # loads now, but on its way out (a warning, not a refusal)
     removed_in: str | None = None  # a vLLM release known to refuse it (and every later one)
+    refused_on: tuple[str, ...] = ()  # platforms whose build cannot run it at all (as far as measured)
     source: str = ""
 
 
@@ -96,6 +97,10 @@ FEATURES: tuple[Feature, ...] = (
     Feature("fp8_block_below_sm89", "FP8 128x128 block weights on a GPU without FP8 units (Marlin, W8A16)",
             min_version="0.15.0", platforms=("cuda",),
             source="vllm#33280 (merged 2026-01-28, after v0.14.0): before it, 'Unsupported weight strategy=block'"),
+    Feature("fp8_static_activations", "FP8 with static per-tensor activation scales (input_scale, scheme FP8)",
+            refused_on=("cpu",),
+            source="vLLM 0.32.0's CPU build has no static_scaled_fp8_quant kernel (its stub takes no arguments: "
+                   "the engine fails at load), measured in benchmarks/results/vllm_agreement.md; FP8_DYNAMIC runs"),
     Feature("actorder_group", "act-order 'group' (weight_g_idx, runtime reordering)",
             deprecated="vLLM RFC #48148 removes runtime group act-order; compressed-tensors >= 0.20 no longer "
                        "validates it. Re-quantise with actorder static (same accuracy, no runtime cost)",
