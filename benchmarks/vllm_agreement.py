@@ -41,11 +41,11 @@ KINDS = {
     "FP8 static tensor": [["quantize", "--method", "fp8", "--scheme", "FP8"]],
     "FP8_DYNAMIC channel": [["quantize", "--method", "fp8", "--scheme", "FP8_DYNAMIC"]],
     "FP8_BLOCK": [["quantize", "--method", "fp8", "--scheme", "FP8_BLOCK"]],
-    "MoE W4A16 (moefied, 8 experts top-2)": [
+    "MoE W4A16 (moefied: 8 experts top-2)": [
         ["moefy", "--experts", "8", "--top-k", "2", "--num-samples", "8", "--seq-len", "256", "--eval-samples", "0",
          "--output", "SRC"],
         RTN + ["--model", "SRC", "--scheme", "W4A16", "--group-size", "64"]],
-    "MLA (convert-mla, bf16)": [["convert-mla", "--num-samples", "8", "--seq-len", "256", "--refine-steps", "0"]],
+    "MLA (convert-mla: bf16)": [["convert-mla", "--num-samples", "8", "--seq-len", "256", "--refine-steps", "0"]],
 }
 
 
@@ -117,7 +117,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kind names (or their first words)")
     ap.add_argument("--num-samples", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--merge", action="store_true", help="keep the other kinds' rows of the last results file")
