@@ -221,3 +221,13 @@ def test_static_fp8_is_refused_on_the_cpu_build_with_the_dynamic_fix(tiny_models
     assert not cpu["compatible"] and "does not run on the cpu build" in cpu["problems"][0]["reason"]
     assert cpu["fixes"] == ["re-quantise with --scheme FP8_DYNAMIC (per-token activation scales)"]
     assert _check(out, "--gpu", "sm_90")["compatible"]
+
+
+def test_int4_experts_are_refused_on_the_cpu_build(tiny_models, tmp_path):
+    """vLLM 0.32.0's CPU build has no WNA16 FusedMoE backend (measured on a moefied SmolLM2); GPUs have one."""
+    out = tmp_path / "moe"
+    _quantize(tiny_models["qwen3_moe"], out, group=16)
+    cpu = _check(out, "--gpu", "cpu")
+    groups = {g["reason"]: g for g in cpu["problem_groups"]}
+    experts = next(g for r, g in groups.items() if "no FusedMoE backend for WNA16 experts" in r)
+    assert not cpu["compatible"] and all(".mlp.experts." in t for t in experts["tensors"])

@@ -206,6 +206,10 @@ def _check(folder: Path, config: dict, target: ServingTarget) -> dict:
         if fmt is None:
             continue
         if _EXPERT.search(module):  # FusedMoE: its own kernels (split rules checked above, kernels not)
+            if platform == "cpu" and _family(fmt) == "wna16":
+                problem(module, "vLLM's CPU build has no FusedMoE backend for WNA16 experts ('No WNA16 MoE backend "
+                                "supports the deployment configuration', measured on 0.32.0)")
+                continue
             families["FusedMoE (experts; kernel not checked)"] = families.get("FusedMoE (experts; kernel not checked)", 0) + 1
             continue
         n_part, k_part = shard_sizes(module, n, k, target.tp, heads)
