@@ -231,3 +231,13 @@ def test_int4_experts_are_refused_on_the_cpu_build(tiny_models, tmp_path):
     groups = {g["reason"]: g for g in cpu["problem_groups"]}
     experts = next(g for r, g in groups.items() if "no FusedMoE backend for WNA16 experts" in r)
     assert not cpu["compatible"] and all(".mlp.experts." in t for t in experts["tensors"])
+
+
+def test_mla_latent_size_must_be_one_vllm_takes(tiny_models, tmp_path):
+    """kv_lora_rank + qk_rope_head_dim in (320, 512, 576); the tiny DeepSeek-V3 has 32 + 16 = 48."""
+    out = tmp_path / "ds"
+    _quantize(tiny_models["deepseek_v3"], out, group=16)
+    report = _check(out, "--gpu", "sm_90")
+    reasons = [p["reason"] for p in report["problems"] if p["tensor"] == "model.layers.*.self_attn"]
+    assert reasons and "MLA latent size 48 (kv_lora_rank 32 + qk_rope_head_dim 16)" in reasons[0]
+    assert "--kv-lora-rank 304 or 496 or 560" in reasons[0]

@@ -189,6 +189,15 @@ def _check(folder: Path, config: dict, target: ServingTarget) -> dict:
     layers = text.get("num_hidden_layers") or 0
     if target.pp > max(layers, 1):
         problem("model.layers", f"pp={target.pp} exceeds the {layers} decoder layers")
+    latent = text.get("kv_lora_rank")
+    if latent:
+        size = int(latent) + int(text.get("qk_rope_head_dim") or 0)
+        if size not in vs.MLA_LATENT_SIZES:
+            sizes = ", ".join(map(str, vs.MLA_LATENT_SIZES))
+            problem("model.layers.*.self_attn",
+                    f"MLA latent size {size} (kv_lora_rank {latent} + qk_rope_head_dim {size - int(latent)}) is not one "
+                    f"vLLM's MLA attention takes ({sizes}); convert with --kv-lora-rank "
+                    f"{' or '.join(str(s - size + int(latent)) for s in vs.MLA_LATENT_SIZES if s > size - int(latent))}")
     if heads is not None and target.tp > 1 and heads.num_heads % target.tp:
         problem("model.layers.*.self_attn", f"{heads.num_heads} attention heads are not divisible by tp={target.tp}")
 

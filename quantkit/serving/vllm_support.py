@@ -91,6 +91,11 @@ class Feature:
     source: str = ""
 
 
+# kv_lora_rank + qk_rope_head_dim that vLLM's MLA attention accepts (MLACommonBackend.get_supported_head_sizes in
+# vLLM 0.32.0; DeepSeek-V3's 512 + 64 = 576). Measured: a convert-mla SmolLM2 with 96 + 32 = 128 fails at load on
+# the CPU build ('Head dimension 128 is not supported by MLA').
+MLA_LATENT_SIZES = (320, 512, 576)
+
 FEATURES: tuple[Feature, ...] = (
     Feature("zero_points", "asymmetric integer weights (weight_zero_point, W4A16_ASYM)", min_version="0.9.0",
             source="llm-compressor#1427: vLLM 0.8.5 finds no compressed-tensors scheme for W4A16_ASYM"),
