@@ -15,6 +15,7 @@ from rich.table import Table
 from quantkit.errors import InputError, QuantkitError
 from quantkit.progress import OutputConsole, progress_enabled
 
+
 class _Conventions:
     """Help in the command-line's usual shape, whatever typer's version renders by default: pure flags take no
     value, so they show no metavar (newer typer prints `<bool>`, which reads as `--resume yes`); positionals read
