@@ -66,6 +66,20 @@ def build(kind: str, work: Path) -> Path:
     return out
 
 
+def _block_nll(logits_of, blocks) -> float:
+    """Mean NLL per predicted token of `blocks` (lists of ids), one block at a time, in float64."""
+    import torch
+
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for row in blocks:
+            ids = torch.tensor([row])
+            logp = torch.log_softmax(logits_of(ids)[0, :-1].double(), -1)
+            total -= float(logp.gather(-1, ids[0, 1:, None]).sum())
+            n += ids.shape[1] - 1
+    return total / n
+
+
 def transformers_nll(folder: Path, blocks) -> float:
     import torch
     from transformers import AutoModelForCausalLM
@@ -79,14 +93,7 @@ def transformers_nll(folder: Path, blocks) -> float:
 
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
                                                      quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for row in blocks:
-            ids = torch.tensor([row])
-            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
-            total -= float(logp.gather(-1, ids[0, 1:, None]).sum())
-            n += ids.shape[1] - 1
-    return total / n
+    return _block_nll(lambda ids: model(ids).logits, blocks)
 
 
 def runtime_nll(folder: Path, blocks) -> float:
@@ -97,14 +104,7 @@ def runtime_nll(folder: Path, blocks) -> float:
     from quantkit.runtime import load_model
 
     rt = load_model(folder, torch.bfloat16)
-    total, n = 0.0, 0
-    with torch.no_grad():
-        for row in blocks:
-            ids = torch.tensor([row])
-            logp = torch.log_softmax(rt(input_ids=ids).logits[0, :-1].double(), -1)
-            total -= float(logp.gather(-1, ids[0, 1:, None]).sum())
-            n += ids.shape[1] - 1
-    return total / n
+    return _block_nll(lambda ids: rt(input_ids=ids).logits, blocks)
 
 
 def main() -> None:

@@ -131,31 +131,33 @@ def _fixes(folder: Path, config: dict, target: ServingTarget, report: dict) -> l
     qc = config.get("quantization_config")
     if not qc:
         return fixes
-    candidates = [("re-quantise with --group-size -1 (per-channel scales)", {"strategy": "channel", "group_size": None}),
-                  ("re-quantise with --group-size 128", {"strategy": "group", "group_size": 128}),
-                  ("re-quantise with --group-size 64", {"strategy": "group", "group_size": 64}),
-                  ("re-quantise symmetric (no zero points)", {"symmetric": True}),
-                  ("re-quantise with --actorder static (no g_idx)", {"actorder": "weight"})]
-    for label, change in candidates:
+    def int_weights(change: dict):
+        def edit(w: dict, a: dict) -> bool:
+            if w.get("type") != "int" or all(w.get(k) == v for k, v in change.items()):
+                return False
+            w.update(change)
+            return True
+        return edit
+
+    def fp8_dynamic(w: dict, a: dict) -> bool:
+        if w.get("type") != "float" or not a or a.get("dynamic"):
+            return False
+        w.update(strategy="channel")
+        a.update(dynamic=True, strategy="token")
+        return True
+
+    candidates = [("re-quantise with --group-size -1 (per-channel scales)", int_weights({"strategy": "channel", "group_size": None})),
+                  ("re-quantise with --group-size 128", int_weights({"strategy": "group", "group_size": 128})),
+                  ("re-quantise with --group-size 64", int_weights({"strategy": "group", "group_size": 64})),
+                  ("re-quantise symmetric (no zero points)", int_weights({"symmetric": True})),
+                  ("re-quantise with --actorder static (no g_idx)", int_weights({"actorder": "weight"})),
+                  ("re-quantise with --scheme FP8_DYNAMIC (per-token activation scales)", fp8_dynamic)]
+    for label, edit in candidates:
         changed = copy.deepcopy(config)
-        touched = False
-        for group in (changed["quantization_config"].get("config_groups") or {}).values():
-            w = group.get("weights") or {}
-            if w.get("type") == "int" and any(w.get(k) != v for k, v in change.items()):
-                w.update(change)
-                touched = True
-        if touched and _check(folder, changed, target)["compatible"]:
+        groups = (changed["quantization_config"].get("config_groups") or {}).values()
+        touched = [edit(g.setdefault("weights", {}) or {}, g.get("input_activations") or {}) for g in groups]
+        if any(touched) and _check(folder, changed, target)["compatible"]:
             fixes.append(label)
-    changed = copy.deepcopy(config)
-    touched = False
-    for group in (changed["quantization_config"].get("config_groups") or {}).values():
-        w, a = group.get("weights") or {}, group.get("input_activations") or {}
-        if w.get("type") == "float" and a and not a.get("dynamic"):
-            w.update(strategy="channel")
-            a.update(dynamic=True, strategy="token")
-            touched = True
-    if touched and _check(folder, changed, target)["compatible"]:
-        fixes.append("re-quantise with --scheme FP8_DYNAMIC (per-token activation scales)")
     return fixes
 
 
