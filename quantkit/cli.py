@@ -336,7 +336,7 @@ def _print_inspect(report: dict) -> None:
 @app.command("convert-mla", cls=_Command)
 def convert_mla(
     model: Optional[str] = typer.Option(None, "--model", help="Llama/Mistral/Qwen2 HF folder, .gguf or hub id (default: embedded SmolLM2-135M)."),
-    kv_lora_rank: Optional[str] = typer.Option(None, "--kv-lora-rank", help="Latent size per token and layer, or 'full' (exact maximum). Default: n_kv*head_dim/2."),
+    kv_lora_rank: Optional[str] = typer.Option(None, "--kv-lora-rank", help="Latent size per token and layer, or 'full' (exact maximum). Default: n_kv*head_dim/2, raised to the nearest size vLLM serves (latent + rope dim 320, 512 or 576) where one fits."),
     rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Dims of the shared RoPE key (even, <= head_dim; default head_dim/2)."),
     dataset: str = typer.Option("kjv", "--dataset", help="Calibration text: kjv (built in) or a local .txt/.jsonl/.json/.parquet/.csv file."),
     num_samples: int = typer.Option(32, "--num-samples", help="Calibration samples."),
@@ -384,6 +384,8 @@ def convert_mla(
             _print_json(report)
         else:
             _print_mla(report)
+        for warning in report.get("warnings", []):
+            err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
 
     _guarded(debug, body)
 
@@ -611,7 +613,7 @@ def _print_serving(report: dict) -> None:
 def release(
     recipe: Path = typer.Argument(..., help="Release recipe YAML (base model, variants, calibration, evaluation, gates); a built-in name works too."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Release folder (default: the recipe's `output`, else release-NAME)."),
-    verify_determinism: bool = typer.Option(False, "--verify-determinism", help="Build one variant twice and compare every tensor file's sha256."),
+    verify_determinism: bool = typer.Option(False, "--verify-determinism", help="Build each variant (or the recipe's determinism_variants) a second time and compare every tensor file's sha256."),
     force: bool = typer.Option(False, "--force", help="Rebuild variants even when their manifest says they are up to date."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     compute_dtype: str = typer.Option("auto", "--compute-dtype", help="Calibration matmul dtype: auto, bfloat16 or float32."),
@@ -657,8 +659,7 @@ def _print_release(summary: dict) -> None:
                       f"{v['size_bytes'] / 1e6:.1f}", "yes" if v["built"] else "kept", gates,
                       "[green]yes[/]" if v["passed"] else "[red]no[/]")
     console.print(table)
-    d = summary.get("determinism")
-    if d:
+    for d in summary.get("determinism") or []:
         console.print(f"determinism ({d['variant']} built twice): "
                       + ("[green]identical tensor files[/]" if d["identical"] else f"[red]differ: {d['mismatched']}[/]"))
     console.print(f"wrote {summary['output']}/release.md, release.json and a README.md model card in each variant")

@@ -133,3 +133,13 @@ def announce(message: str) -> None:
     what the run will do); commands print the same facts in their closing summary otherwise."""
     if progress_enabled():
         stderr_console.print(f"[dim]{message}[/]", highlight=False, soft_wrap=True)
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """One line on stderr, the first time this message comes up in the process."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)

@@ -50,6 +50,7 @@ class EvaluationSpec:
     tasks: list[str] = field(default_factory=list)
     throughput: bool = False
     batch_size: int = 4
+    engine: str = "quantkit"  # quantkit | vllm (as `quantkit eval --engine`)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class ReleaseRecipe:
     gates: Gates
     serving: ServingSpec
     output: str | None = None
-    determinism_variant: str | None = None  # which variant --verify-determinism builds twice (default: the first)
+    determinism_variants: list[str] | None = None  # which variants --verify-determinism builds twice (default: all)
 
     @classmethod
     def load(cls, path: str | Path) -> "ReleaseRecipe":
@@ -97,10 +98,13 @@ class ReleaseRecipe:
             calibration=_build(CalibrationSpec, data.get("calibration"), "calibration"), variants=variants,
             evaluation=_build(EvaluationSpec, data.get("evaluation"), "evaluation"),
             gates=_build(Gates, data.get("gates"), "gates"), serving=_build(ServingSpec, data.get("serving"), "serving"),
-            output=data.get("output"), determinism_variant=data.get("determinism_variant"),
+            output=data.get("output"), determinism_variants=_name_list(data.get("determinism_variants")),
         )
-        if rec.determinism_variant and rec.determinism_variant not in names:
-            raise InputError(f"determinism_variant {rec.determinism_variant!r} is not a variant ({', '.join(names)})")
+        if rec.evaluation.engine not in ("quantkit", "vllm"):  # before hours of quantising
+            raise InputError(f"evaluation.engine {rec.evaluation.engine!r}: use quantkit or vllm")
+        stray = [n for n in rec.determinism_variants or [] if n not in names]
+        if stray:
+            raise InputError(f"determinism_variants: {', '.join(stray)} not a variant ({', '.join(names)})")
         return rec
 
     def variant_recipe(self, v: VariantSpec, output: Path) -> Recipe:
@@ -117,6 +121,16 @@ class ReleaseRecipe:
 
     def gates_for(self, v: VariantSpec) -> Gates:
         return Gates(**{**asdict(self.gates), **v.gates})
+
+
+def _name_list(value) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InputError("determinism_variants must be a variant name or a list of them")
+    return value
 
 
 def _build(cls, data, where: str):
@@ -241,22 +255,13 @@ def run_release(opts: ReleaseOptions) -> dict:
             built = True
         variants.append({"spec": v, "recipe": recipe, "output": out, "built": built})
 
-    determinism = None
-    if opts.verify_determinism:
-        name = rec.determinism_variant or rec.variants[0].name
-        entry = next(x for x in variants if x["spec"].name == name)
-        twin = root / ".determinism" / name
-        _build_variant(rec.variant_recipe(entry["spec"], twin), twin, opts)
-        first, second = _tensor_hashes(entry["output"]), _tensor_hashes(twin)
-        determinism = {"variant": name, "identical": first == second, "files": first,
-                       "mismatched": sorted(n for n in set(first) | set(second) if first.get(n) != second.get(n))}
-        shutil.rmtree(root / ".determinism", ignore_errors=True)
+    determinism = verify_determinism(rec, variants, root, opts) if opts.verify_determinism else None
 
     ev = rec.evaluation
     eval_opts = EvalOptions(checkpoints=[x["output"] for x in variants], baseline=rec.base.source,
                             dataset=ev.dataset, num_samples=ev.num_samples, seq_len=ev.seq_len, seed=ev.seed,
                             tasks=list(ev.tasks), throughput=ev.throughput, device=opts.device,
-                            batch_size=ev.batch_size)
+                            batch_size=ev.batch_size, engine=ev.engine)
     run = run_eval(eval_opts)
     write_report(root / "eval", run.report, run.token_kl)
     results = {r["checkpoint"]: r for r in run.report["results"]}
@@ -275,7 +280,8 @@ def run_release(opts: ReleaseOptions) -> dict:
             "gates": gates, "passed": all(g["passed"] for g in gates),
             "built": x["built"], "bits_per_weight": row["bits_per_weight"], "ppl_base": row["ppl_base"],
             "ppl_increase_pct": row["ppl_increase_pct"], "kl_p99": row["kl_p99"], "top1_agree": row["top1_agree"],
-            "tasks": row.get("tasks", {}),
+            "tasks": row.get("tasks", {}), "throughput": row.get("throughput"), "engine": engine_label(run.report, row),
+            "kernels": kernel_names(row),
             "serving": {"compatible": serving["compatible"], "target": serving["target"],
                         "kernel_families": serving["kernel_families"], "problems": serving["problems"][:20]},
         }
@@ -284,9 +290,11 @@ def run_release(opts: ReleaseOptions) -> dict:
     summary = {
         "name": rec.name,
         "base": {"model": run.report["baseline"]["model"], "ppl": run.report["baseline"]["ppl"],
-                 "size_bytes": run.report["baseline"]["size_bytes"], "tasks": run.report["baseline"].get("tasks", {})},
+                 "size_bytes": run.report["baseline"]["size_bytes"], "tasks": run.report["baseline"].get("tasks", {}),
+                 "throughput": run.report["baseline"].get("throughput")},
         "variants": summary_variants,
-        "passed": all(v["passed"] for v in summary_variants) and (determinism is None or determinism["identical"]),
+        "passed": all(v["passed"] for v in summary_variants) and (determinism is None or all(
+            d["identical"] for d in determinism)),
         "determinism": determinism,
         "evaluation": {"report": "eval/report.json", "data": run.report["data"]},
         "quantkit_version": quantkit.__version__,
@@ -298,6 +306,43 @@ def run_release(opts: ReleaseOptions) -> dict:
     (root / "release.md").write_text(render_release_md(summary) + "\n")
     summary["output"] = str(root)
     return summary
+
+
+def verify_determinism(rec: ReleaseRecipe, variants: list[dict], root: Path, opts: ReleaseOptions) -> list[dict]:
+    """Build each chosen variant a second time into a scratch folder and compare every tensor file's sha256."""
+    from quantkit.progress import announce
+
+    out = []
+    for name in rec.determinism_variants or [v.name for v in rec.variants]:
+        entry = next(x for x in variants if x["spec"].name == name)
+        twin = root / ".determinism" / name
+        announce(f"{name}: building a second time (--verify-determinism)")
+        _build_variant(rec.variant_recipe(entry["spec"], twin), twin, opts)
+        first, second = _tensor_hashes(entry["output"]), _tensor_hashes(twin)
+        out.append({"variant": name, "identical": first == second, "files": first,
+                    "mismatched": sorted(n for n in set(first) | set(second) if first.get(n) != second.get(n))})
+        shutil.rmtree(root / ".determinism", ignore_errors=True)
+    return out
+
+
+def engine_label(report: dict, row: dict) -> str:
+    """Which engine measured a row, on what: named in every card next to its throughput."""
+    if row.get("engine") == "vllm":
+        v = row.get("vllm", {})
+        return f"vLLM {v.get('vllm_version', '?')} (tensor-parallel {row.get('tensor_parallel_size', 1)})"
+    t = row.get("throughput") or {}
+    cfg = t.get("config", {})
+    where = cfg.get("device") or report.get("device", "?")
+    if cfg.get("cpu_capability"):
+        where += f" {cfg['cpu_capability']}"
+    threads = f", {cfg['threads']} threads" if cfg.get("threads") else ""
+    return f"quantkit {quantkit.__version__} runtime on {where}{threads}"
+
+
+def kernel_names(row: dict) -> str | None:
+    """The kernels that served a row's quantised linears in quantkit's runtime (None for other engines)."""
+    names = sorted({name for served in (row.get("kernels") or {}).values() for name in served})
+    return ", ".join(names) or None
 
 
 def write_plots_for_variant(out: Path, row: dict, token_kl, write_plots) -> None:
@@ -342,7 +387,9 @@ def render_card(entry: dict, summary: dict, recipe: Recipe, out: Path) -> str:
     data = summary["evaluation"]["data"]
     lines += ["", f"Data: `{data['source']}` ({data['split']} split), {data['num_samples']} x {data['seq_len']} "
                   f"tokens, fingerprint `{data['fingerprint'][:16]}`.", "",
-              "![per-token KL distribution](kl_distribution.png)", "", "## Gates", "",
+              "![per-token KL distribution](kl_distribution.png)", ""]
+    lines += throughput_section(entry, base)
+    lines += ["## Gates", "",
               "| gate | metric | threshold | value | passed |", "|---|---|---|---|---|"]
     for g in entry["gates"]:
         lines.append(f"| {g['gate']} | {g['metric']} | {g['threshold']} | {g['value']} | {g['passed']} |")
@@ -365,20 +412,65 @@ def render_card(entry: dict, summary: dict, recipe: Recipe, out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+THROUGHPUT_LABELS = {"prefill_tok_s": "prefill tokens/s", "ttft_ms": "time to first token ms",
+                     "peak_memory_bytes": "peak memory bytes", "resident_weight_bytes": "resident weight bytes"}
+
+
+def _throughput_label(key: str) -> str | None:
+    if key in THROUGHPUT_LABELS:
+        return THROUGHPUT_LABELS[key]
+    for stem, what in (("decode_tok_s_b", "decode tokens/s, batch "), ("generate_tok_s_b", "generation tokens/s, batch ")):
+        if key.startswith(stem):
+            return what + key[len(stem):]
+    return None
+
+
+def throughput_section(entry: dict, base: dict) -> list[str]:
+    """The card's throughput table: this variant against the base, both measured in the same evaluation run."""
+    t, b = entry.get("throughput"), base.get("throughput") or {}
+    if not t:
+        return []
+    cfg = t.get("config", {})
+    machine = f"; load average {cfg['load_average']}" if cfg.get("load_average") is not None else ""
+    kernels = f" (kernels: {entry['kernels']})" if entry.get("kernels") else ""
+    lines = ["## Throughput", "", f"Measured by {entry['engine']}{kernels}{machine}, base and variant in the same "
+             "run.", "",
+             "| metric | this checkpoint | base | ratio |", "|---|---|---|---|"]
+    for key, value in t.items():
+        label = _throughput_label(key)
+        if label is None or not isinstance(value, (int, float)):
+            continue
+        ref = b.get(key)
+        ratio = f"{value / ref:.2f}x" if isinstance(ref, (int, float)) and ref else "-"
+        lines.append(f"| {label} | {value:.4g} | {_fmt(ref if ref is None else f'{ref:.4g}')} | {ratio} |")
+    return lines + [""]
+
+
+def _decode_b1(v: dict) -> str:
+    t = v.get("throughput") or {}
+    value = t.get("decode_tok_s_b1", t.get("generate_tok_s_b1"))
+    return "-" if value is None else f"{value:.1f}"
+
+
 def render_release_md(summary: dict) -> str:
     lines = [f"# Release {summary['name']}", "",
              f"Base `{summary['base']['model']}` (perplexity {summary['base']['ppl']}, {summary['base']['size_bytes']} "
              f"bytes); overall: {'passed' if summary['passed'] else 'FAILED'}.", "",
-             "| variant | scheme | method | KL mean | ppl | size bytes | gates | passed |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| variant | scheme | method | KL mean | ppl | size bytes | decode tok/s b1 | gates | passed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    base = summary["base"]
+    if base.get("throughput"):
+        lines.append(f"| base | - | - | 0 | {base['ppl']} | {base['size_bytes']} | {_decode_b1(base)} | - | - |")
     for v in summary["variants"]:
         gates = ", ".join(f"{g['gate']} {'ok' if g['passed'] else 'FAIL'}" for g in v["gates"]) or "-"
         lines.append(f"| [{v['name']}]({Path(v['output']).name}/README.md) | {v['scheme']} | {v['method']} | "
-                     f"{v['kl_mean']} | {v['ppl']} | {v['size_bytes']} | {gates} | {v['passed']} |")
-    d = summary.get("determinism")
-    if d:
-        lines += ["", f"Determinism: `{d['variant']}` built twice, tensor files "
-                      f"{'identical' if d['identical'] else 'DIFFER: ' + ', '.join(d['mismatched'])}."]
+                     f"{v['kl_mean']} | {v['ppl']} | {v['size_bytes']} | {_decode_b1(v)} | {gates} | {v['passed']} |")
+    if any(v.get("throughput") for v in summary["variants"]):
+        lines += ["", f"Throughput measured by {summary['variants'][0]['engine']} (details in each card)."]
+    checks = [f"`{d['variant']}` {'identical' if d['identical'] else 'DIFFER: ' + ', '.join(d['mismatched'])}"
+              for d in summary.get("determinism") or []]
+    if checks:
+        lines += ["", f"Determinism (each built twice, every tensor file's sha256 compared): {'; '.join(checks)}."]
     lines += ["", "Plots and the full evaluation: `eval/report.md`, `eval/kl_distribution.png`, `eval/size_vs_kl.png`."]
     return "\n".join(lines)
 
@@ -392,7 +484,7 @@ def failed_gates(summary: dict) -> list[str]:
                 op = ">=" if g["gate"] == "min_top1" else ("is" if g["gate"] == "serving" else "<=")
                 out.append(f"{v['name']}: gate {g['gate']} failed ({g['metric']} = {g['value']}, needs {op} "
                            f"{g['threshold']})")
-    d = summary.get("determinism")
-    if d and not d["identical"]:
-        out.append(f"{d['variant']}: determinism failed (differing files: {', '.join(d['mismatched'])})")
+    for d in summary.get("determinism") or []:
+        if not d["identical"]:
+            out.append(f"{d['variant']}: determinism failed (differing files: {', '.join(d['mismatched'])})")
     return out

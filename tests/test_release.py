@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -13,7 +14,7 @@ from quantkit.cli import app
 runner = CliRunner()
 
 
-def _recipe(path, model, text_file, gates=None, variant_gates=None):
+def _recipe(path, model, text_file, gates=None, variant_gates=None, evaluation=None):
     data = {
         "name": "tiny",
         "base": {"source": str(model)},
@@ -22,7 +23,7 @@ def _recipe(path, model, text_file, gates=None, variant_gates=None):
             {"name": "w4-rtn", "method": "rtn", "scheme": "W4A16", "group_size": 32, "gates": variant_gates or {}},
             {"name": "fp8", "method": "fp8", "scheme": "FP8_DYNAMIC"},
         ],
-        "evaluation": {"dataset": str(text_file), "num_samples": 4, "seq_len": 32},
+        "evaluation": {"dataset": str(text_file), "num_samples": 4, "seq_len": 32, **(evaluation or {})},
         "gates": gates or {"max_kl": 10.0, "min_top1": 0.0},
         "serving": {"gpu": "cpu"},
     }
@@ -81,12 +82,41 @@ def test_release_builds_evaluates_gates_and_documents(tmp_path, tiny_models, tex
 
 def test_release_verify_determinism(tmp_path, tiny_models, text_file):
     out = tmp_path / "rel"
-    recipe = _recipe(tmp_path / "release.yaml", tiny_models["qwen2"], text_file)
+    recipe = _recipe(tmp_path / "release.yaml", tiny_models["qwen2"], text_file, evaluation={"throughput": True})
     result = runner.invoke(app, ["release", str(recipe), "--output", str(out), "--verify-determinism", "--json"])
     assert result.exit_code == 0, result.output
-    d = json.loads(result.stdout)["determinism"]
-    assert d["variant"] == "w4-rtn" and d["identical"] and d["mismatched"] == [] and "model.safetensors" in d["files"]
+    summary = json.loads(result.stdout)
+    assert [d["variant"] for d in summary["determinism"]] == ["w4-rtn", "fp8"]  # every variant by default
+    for d in summary["determinism"]:
+        assert d["identical"] and d["mismatched"] == [] and "model.safetensors" in d["files"]
     assert not (out / ".determinism").exists()
+    # Throughput, base and variant from the one evaluation, is in every card with the engine that measured it.
+    base = summary["base"]["throughput"]
+    for v in summary["variants"]:
+        card = (out / v["name"] / "README.md").read_text()
+        row = re.search(r"^\| decode tokens/s, batch 1 \| ([^|]+) \| ([^|]+) \| ([\d.]+)x \|$", card, re.M)
+        mine, ref = v["throughput"]["decode_tok_s_b1"], base["decode_tok_s_b1"]
+        assert float(row.group(1)) == pytest.approx(mine, rel=1e-3)
+        assert float(row.group(2)) == pytest.approx(ref, rel=1e-3)
+        assert float(row.group(3)) == pytest.approx(mine / ref, abs=0.006)
+        assert "Measured by quantkit" in card and "load average" in card
+    assert "decode tok/s b1" in (out / "release.md").read_text()
+
+
+def test_release_determinism_variants_named(tmp_path, tiny_models, text_file):
+    from quantkit.errors import InputError
+    from quantkit.release import ReleaseRecipe
+
+    recipe = _recipe(tmp_path / "release.yaml", tiny_models["qwen2"], text_file)
+    data = yaml.safe_load(recipe.read_text())
+    recipe.write_text(yaml.safe_dump({**data, "determinism_variants": "fp8"}))
+    assert ReleaseRecipe.load(recipe).determinism_variants == ["fp8"]
+    recipe.write_text(yaml.safe_dump({**data, "determinism_variants": ["nope"]}))
+    with pytest.raises(InputError, match="nope not a variant"):
+        ReleaseRecipe.load(recipe)
+    recipe.write_text(yaml.safe_dump({**data, "evaluation": {"engine": "tgi"}}))
+    with pytest.raises(InputError, match="evaluation.engine 'tgi'"):
+        ReleaseRecipe.load(recipe)
 
 
 def test_release_recipe_errors_are_one_line(tmp_path, tiny_models, text_file):

@@ -104,6 +104,30 @@ def _cfg(config, name, default=None):
     return getattr(config, name, default)
 
 
+def default_rank(half_kv: int, rope_dim: int, max_rank: int) -> int:
+    """Half the source's per-token KV values, raised to the nearest latent size vLLM's MLA attention serves
+    (kv_lora_rank + rope dim in MLA_LATENT_SIZES) when one fits under the exact maximum; a model too small for any
+    keeps the plain default (vllm_latent_problem then says so)."""
+    from quantkit.serving.vllm_support import MLA_LATENT_SIZES
+
+    plain = min(max_rank, half_kv)
+    served = [size - rope_dim for size in MLA_LATENT_SIZES if plain <= size - rope_dim <= max_rank]
+    return min(served) if served else plain
+
+
+def vllm_latent_problem(dims: "MLADims") -> str | None:
+    """One line when vLLM's MLA attention would refuse this latent size (check-serving's rule), else None."""
+    from quantkit.serving.vllm_support import MLA_LATENT_SIZES
+
+    size = dims.kv_lora_rank + dims.rope_dim
+    if size in MLA_LATENT_SIZES:
+        return None
+    fits = [f"--kv-lora-rank {s - dims.rope_dim}" for s in MLA_LATENT_SIZES if 1 <= s - dims.rope_dim <= dims.max_rank]
+    return (f"latent size {size} (kv_lora_rank {dims.kv_lora_rank} + rope dim {dims.rope_dim}) is not one vLLM's MLA "
+            f"attention serves ({', '.join(map(str, MLA_LATENT_SIZES))}): transformers loads it, vLLM refuses it"
+            + (f"; for vLLM use {' or '.join(fits)}" if fits else ""))
+
+
 def plan_dims(config, kv_lora_rank: int | None, rope_dim: int | None) -> MLADims:
     """Check that `config` can be converted with these sizes; a one-line InputError names the limit."""
     mt = _cfg(config, "model_type", "?")
@@ -139,7 +163,7 @@ def plan_dims(config, kv_lora_rank: int | None, rope_dim: int | None) -> MLADims
         raise InputError(f"--rope-dim must be even, at least 2 and at most head_dim ({head_dim}); got {rope_dim}")
     max_rank = min(2 * n_kv * head_dim - rope_dim, hidden)
     if kv_lora_rank is None:
-        kv_lora_rank = min(max_rank, n_kv * head_dim // 2)
+        kv_lora_rank = default_rank(n_kv * head_dim // 2, rope_dim, max_rank)
     elif kv_lora_rank == -1:
         kv_lora_rank = max_rank
     if kv_lora_rank < 1 or kv_lora_rank > max_rank:
@@ -833,7 +857,8 @@ def _run_convert(model: str | None, output: Path, ranks: list[int | None], rope_
                 manifest["eval"] = summary["eval"]
                 mpath.write_text(json.dumps(manifest, indent=2, default=str))
             runs.append(summary)
-        report = {"model": resolved.label, "runs": runs}
+        report = {"model": resolved.label, "runs": runs,
+                  "warnings": [w for w in (vllm_latent_problem(plan_dims(config, r, rope_dim)) for r in ranks) if w]}
         if sweep:
             for run in runs:
                 run["output"] = str(output / Path(run["output"]).name)

@@ -9,6 +9,7 @@ the measurements run.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -88,6 +89,9 @@ def measure_throughput(model, vocab_size: int, device: torch.device, cfg: Throug
     resident = getattr(model, "resident_weight_bytes", None)
     if resident is not None:
         out["resident_weight_bytes"] = resident
+    # Figures depend on the machine and what else runs on it: both are recorded with them.
     out["config"] = {"prefill_len": cfg.prefill_len, "prompt_len": cfg.prompt_len, "decode_tokens": cfg.decode_tokens,
-                     "repeats": cfg.repeats, "threads": torch.get_num_threads(), "device": str(device)}
+                     "repeats": cfg.repeats, "threads": torch.get_num_threads(), "device": str(device),
+                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                     "load_average": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
     return out

@@ -149,6 +149,51 @@ def round_to_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return x if dtype is None or dtype == torch.float32 else x.to(dtype).float()
 
 
+# Scale dtypes the fused search rounds to (its codes in csrc/cpu/qparam_search.cpp).
+_SEARCH_DTYPES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The fused search's fp32 arithmetic must round each product as torch does: no contraction into FMA.
+_SEARCH_CFLAGS = ("-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd")
+
+
+def search_extension():
+    """The fused shrink-grid search (csrc/cpu/qparam_search.cpp), or None after one warning where it cannot be
+    built; QUANTKIT_EAGER_SEARCH=1 keeps the eager reference."""
+    import os
+
+    from quantkit.native import CSRC, load_cpu_extension
+    from quantkit.progress import warn_once
+
+    if os.environ.get("QUANTKIT_EAGER_SEARCH"):
+        return None
+    module, why = load_cpu_extension(CSRC / "cpu" / "qparam_search.cpp", _SEARCH_CFLAGS)
+    if module is None:
+        warn_once(f"scale search: {why}; the eager torch search runs instead (slower, same result)")
+    return module
+
+
+def _fused_search(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None, grid: int, max_shrink: float,
+                  importance: torch.Tensor | None):
+    """group_qparams' mse search by the C++ kernel, or None where it does not apply (then the eager code runs)."""
+    if w.device.type != "cpu" or w.dim() != 2 or w.shape[1] == 0 or scale_dtype not in _SEARCH_DTYPES or grid < 1:
+        return None
+    w = w.float().contiguous()
+    if importance is None:
+        imp = torch.empty(0)
+    else:
+        imp = importance.float().reshape(-1, w.shape[1])  # row r weighted by imp[r % P]
+        if w.shape[0] % imp.shape[0]:
+            return None
+        imp = imp.contiguous()
+    if not bool(torch.isfinite(w).all()):  # eager's NaN propagation through min/max is kept as it is
+        return None
+    ext = search_extension()
+    if ext is None:
+        return None
+    scale, zp = ext.shrink_search(w, imp, int(args.qmin), int(args.qmax), bool(args.symmetric),
+                                  _SEARCH_DTYPES[scale_dtype], int(grid), float(max_shrink))
+    return scale, zp
+
+
 def group_qparams(
     w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None, mse: bool = False, grid: int = 20,
     max_shrink: float = 0.2, importance: torch.Tensor | None = None,
@@ -158,7 +203,20 @@ def group_qparams(
     With mse, the row's range is shrunk by the factor (from a grid) that minimises its squared rounding
     error; clipping a few outliers often lowers the error of everything else. `importance` ([R, m] or [m],
     non-negative) weights each element's squared error, e.g. by the mean square of the input it multiplies.
+    On CPU the search runs fused in C++ (`_fused_search`); `group_qparams_eager` is its reference.
     """
+    if mse:
+        fused = _fused_search(w, args, scale_dtype, grid, max_shrink, importance)
+        if fused is not None:
+            return fused
+    return group_qparams_eager(w, args, scale_dtype, mse, grid, max_shrink, importance)
+
+
+def group_qparams_eager(
+    w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None, mse: bool = False, grid: int = 20,
+    max_shrink: float = 0.2, importance: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_qparams in torch ops, one grid point at a time over the whole of w."""
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
     if not mse:
         scale, zp = compute_qparams(lo, hi, args)
@@ -195,6 +253,9 @@ def mse_weight_qparams(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch
         # Row r of `rows` is group r % n_groups of its output channel (tensor strategy: one row of all).
         imp = importance.float()
         col_weights = imp.repeat(out).reshape(1, -1) if args.strategy == "tensor" else imp.reshape(n_groups, size)
+    fused = _fused_search(rows, args, scale_dtype, grid, max_shrink, col_weights)
+    if fused is not None:
+        return _shaped(fused[0], torch.round(fused[1]).to(torch.int8), out, n_groups, args)
     step = max(1, SEARCH_CHUNK // size)
     if col_weights is not None:
         step = max(n_groups, step // n_groups * n_groups)  # whole output channels per chunk
@@ -202,11 +263,14 @@ def mse_weight_qparams(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch
     def chunk_importance(n_rows: int) -> torch.Tensor | None:
         return None if col_weights is None else col_weights.repeat(n_rows // col_weights.shape[0], 1)
 
-    parts = [group_qparams(rows[i : i + step], args, scale_dtype, mse=True, grid=grid, max_shrink=max_shrink,
-                           importance=chunk_importance(rows[i : i + step].shape[0]))
+    parts = [group_qparams_eager(rows[i : i + step], args, scale_dtype, mse=True, grid=grid,
+                                 max_shrink=max_shrink, importance=chunk_importance(rows[i : i + step].shape[0]))
              for i in range(0, rows.shape[0], step)]
-    scale = torch.cat([p[0] for p in parts]).reshape(out, n_groups)
-    zp = torch.round(torch.cat([p[1] for p in parts])).to(torch.int8).reshape(out, n_groups)
+    return _shaped(torch.cat([p[0] for p in parts]), torch.round(torch.cat([p[1] for p in parts])).to(torch.int8),
+                   out, n_groups, args)
+
+
+def _shaped(scale: torch.Tensor, zp: torch.Tensor, out: int, n_groups: int, args: QuantArgs):
     if args.strategy == "tensor":
         return scale.reshape(1), zp.reshape(1)
-    return scale, zp
+    return scale.reshape(out, n_groups), zp.reshape(out, n_groups)

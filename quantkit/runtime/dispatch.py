@@ -11,18 +11,17 @@ the environment when the model is loaded, sends every linear to the reference.
 from __future__ import annotations
 
 import os
-import sys
 from collections import defaultdict
 
 import torch
 
 from quantkit.errors import InputError
+from quantkit.progress import warn_once
 from quantkit.runtime import reference
 from quantkit.runtime.kernels.base import NotSupported
 
 KERNEL_MODES = ("auto", "reference")
 _KERNELS: dict[str, dict[str, tuple[int, object]]] = defaultdict(dict)  # device type -> name -> (priority, kernel)
-_WARNED: set[str] = set()
 _BUILTIN = False
 
 
@@ -43,13 +42,6 @@ def kernels_for(device_type: str) -> list:
         _BUILTIN = True
         register_builtin()
     return [k for _, k in sorted(_KERNELS[device_type].values(), key=lambda pk: pk[0])]
-
-
-def warn_once(message: str) -> None:
-    """One line on stderr, the first time this message comes up in the process."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def check_mode(kernels: str) -> str:

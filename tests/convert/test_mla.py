@@ -236,3 +236,27 @@ def test_smollm2_converts_loads_and_stays_close(smollm2_path, tmp_path):
     ev = evaluate_pair(str(smollm2_path), out, num_samples=1, seq_len=128)
     # default rank keeps 1/3 of the KV cache; calibrated on 4x128 tokens it must still be a language model
     assert ev["top1_agreement"] > 0.35 and ev["ppl"] < 4 * ev["ppl_base"], ev
+
+
+def test_default_rank_is_a_latent_vllm_serves_where_one_fits():
+    """Sizes vLLM's MLA attention serves: DeepSeek-V3's 512 + 64 = 576, and 320, 512 (check-serving's rule)."""
+    from transformers import LlamaConfig
+
+    from quantkit.convert.mla import vllm_latent_problem
+
+    def dims(**kw):
+        return plan_dims(LlamaConfig(vocab_size=64, **kw), None, None)
+
+    # SmolLM2-135M: 3 KV heads x 64; half the KV values is 96 (+32 rope = 128, refused) -> 288 + 32 = 320.
+    smol = dims(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=64)
+    assert (smol.kv_lora_rank, smol.rope_dim) == (288, 32) and vllm_latent_problem(smol) is None
+    # Llama-3-8B: 8 KV heads x 128; 512 + 64 = 576 is already DeepSeek-V3's size.
+    llama8b = dims(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=64)
+    assert (llama8b.kv_lora_rank, llama8b.rope_dim) == (512, 64) and vllm_latent_problem(llama8b) is None
+    # A model too small for any served size keeps half its KV values, and the conversion warns.
+    tiny = dims(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    assert tiny.kv_lora_rank == 16 and "vLLM refuses it" in vllm_latent_problem(tiny)
+    # An explicit rank is kept as given, with the served alternatives named.
+    explicit = plan_dims(LlamaConfig(vocab_size=64, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                                     intermediate_size=64), 96, None)
+    assert explicit.kv_lora_rank == 96 and "use --kv-lora-rank 288" in vllm_latent_problem(explicit)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from quantkit.quant import QuantArgs, pack_int32, quantize_weight
 from quantkit.quant.activations import quantize_activation
 from quantkit.quant.fp8 import quantize_fp8_weight
+from quantkit import progress
 from quantkit.runtime import dispatch, load_model, reference
 from quantkit.quant.args import QuantArgs
 from quantkit.runtime.formats import LinearFormat
@@ -233,7 +234,7 @@ def test_resident_weights_stay_within_the_checkpoint_size(scheme_ckpts, scheme):
 
 def test_no_kernel_runs_the_reference_and_says_so_once(scheme_ckpts, monkeypatch, capsys):
     monkeypatch.setattr(dispatch, "_KERNELS", {"cpu": {}})  # a device type no kernel is registered for
-    monkeypatch.setattr(dispatch, "_WARNED", set())
+    monkeypatch.setattr(progress, "_WARNED", set())
     path = scheme_ckpts["W4A16"]
     rt = load_model(path)
     again = load_model(path)
@@ -303,7 +304,7 @@ def test_a_kernel_that_does_not_build_leaves_the_reference_with_one_warning(tmp_
     broken.write_text("#error deliberately broken\n")
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cpp, "SOURCE", broken)
-    monkeypatch.setattr(dispatch, "_WARNED", set())
+    monkeypatch.setattr(progress, "_WARNED", set())
     cpp.extension.cache_clear()
     try:
         layers = [int_layer(32, 64, 4, True, 32, dtype=torch.float32, seed=s) for s in range(2)]  # fp32: cpu-dequant's

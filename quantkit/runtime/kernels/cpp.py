@@ -23,62 +23,32 @@ The extension is compiled at first use with torch.utils.cpp_extension (AVX2 + FM
 from __future__ import annotations
 
 import functools
-import hashlib
-import platform
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from quantkit.native import CSRC
 from quantkit.quant.activations import quantize_activation
 from quantkit.runtime.kernels.base import (NotSupported, Prepared, act_order, finish, flat, scale_grid, signed_weight,
                                            unsigned_weight, zero_grid)
 
-# quantkit/_csrc is the repository's csrc/ (a symlink in the source tree, real files in a wheel).
-SOURCE = Path(__file__).parents[2] / "_csrc" / "cpu" / "dequant_gemm.cpp"
+SOURCE = CSRC / "cpu" / "dequant_gemm.cpp"
 CODES = {"u4": 0, "i8": 1, "e4m3": 2}
 # Batches up to this many rows decode the weight inside the product; larger ones dequantise cache-sized row
 # tiles for the BLAS (the decode is then paid once per tile instead of once per 8 rows of x).
 GEMV_MAX_ROWS = 16
 
 
-def _cpu_has_avx2() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    have = set(flags.split(":", 1)[1].split())
-    return {"avx2", "fma", "f16c"} <= have
-
-
 @functools.cache
 def extension():
     """The compiled extension module, or None (after one warning) where it cannot be built or run."""
-    from quantkit.models.source import cache_dir
-    from quantkit.runtime.dispatch import warn_once
+    from quantkit.native import load_cpu_extension
+    from quantkit.progress import warn_once
 
-    if not _cpu_has_avx2():
-        warn_once("cpu-dequant: this CPU has no AVX2/FMA/F16C; linears it would serve run the torch reference")
-        return None
-    try:
-        src = SOURCE.read_bytes()
-    except OSError:
-        warn_once(f"cpu-dequant: kernel source {SOURCE} is missing; linears it would serve run the torch reference")
-        return None
-    tag = hashlib.sha256(src + torch.__version__.encode()).hexdigest()[:12]
-    build = cache_dir() / "kernels" / f"cpu-dequant-{tag}"
-    try:
-        from torch.utils.cpp_extension import load
-
-        build.mkdir(parents=True, exist_ok=True)
-        return load(name=f"quantkit_cpu_dequant_{tag}", sources=[str(SOURCE)], build_directory=str(build),
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
-    except Exception as exc:  # a missing compiler, headers or ninja: the reference still runs everything
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        warn_once(f"cpu-dequant: could not build the CPU kernel ({first}); linears it would serve run the torch reference")
-        return None
+    module, why = load_cpu_extension(SOURCE)
+    if module is None:
+        warn_once(f"cpu-dequant: {why}; linears it would serve run the torch reference")
+    return module
 
 
 @dataclass

@@ -1,0 +1,57 @@
+"""C++ extensions from csrc/cpu/, compiled at first use with torch.utils.cpp_extension into `<quantkit cache>/kernels/`.
+
+One place for the build, shared by the runtime's kernels (runtime/kernels/cpp.py) and the calibration numerics
+(quant/search.py): the build directory is keyed by the source's and torch's versions, a machine without a
+compiler or AVX2 gets `None` (and the caller's one-line warning), never an exception.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from pathlib import Path
+
+import torch
+
+# quantkit/_csrc is the repository's csrc/ (a symlink in the source tree, real files in a wheel).
+CSRC = Path(__file__).parent / "_csrc"
+# AVX2 + FMA + F16C: every x86 CPU since 2013.
+CPU_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+
+
+def cpu_has_avx2() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    have = set(flags.split(":", 1)[1].split())
+    return {"avx2", "fma", "f16c"} <= have
+
+
+@functools.cache
+def load_cpu_extension(path: Path, extra_cflags: tuple[str, ...] = ()):
+    """(module, None), or (None, why) where the C++ source at `path` (one of csrc/cpu/) cannot be built or run."""
+    from quantkit.models.source import cache_dir
+
+    if not cpu_has_avx2():
+        return None, "this CPU has no AVX2/FMA/F16C"
+    try:
+        src = path.read_bytes()
+    except OSError:
+        return None, f"kernel source {path} is missing"
+    stem = path.stem
+    tag = hashlib.sha256(src + torch.__version__.encode() + " ".join(extra_cflags).encode()).hexdigest()[:12]
+    build = cache_dir() / "kernels" / f"{stem}-{tag}"
+    try:
+        from torch.utils.cpp_extension import load
+
+        build.mkdir(parents=True, exist_ok=True)
+        module = load(name=f"quantkit_{stem}_{tag}", sources=[str(path)], build_directory=str(build),
+                      extra_cflags=CPU_FLAGS + list(extra_cflags), verbose=False)
+        return module, None
+    except Exception as exc:  # a missing compiler, headers or ninja: the eager code still runs everything
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return None, f"could not build the CPU kernel {path.name} ({first})"
