@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "gptq")
     args = ap.parse_args()
 
+    import os
+
+    load_before = os.getloadavg()[0]
     model, tok = prepare_run(args.model, args.work)
     from quantkit.data.calibration import build_token_blocks
     calib = build_token_blocks(tok, "kjv", args.calib_samples, args.seq_len, seed=args.seed)
@@ -60,7 +63,7 @@ def main() -> None:
         if "gptq" in flags and "--dataset" not in flags and summary["calibration"]["fingerprint"] != hashlib.sha256(
                 calib.input_ids.numpy().tobytes()).hexdigest():
             raise SystemExit(f"{name}: calibration tokens differ from the token file")
-        runs[name] = {**res, "out": out, "events": len(summary["events"])}
+        runs[name] = {**res, "out": out, "events": len(summary["events"]), "phases": summary.get("phase_seconds", {})}
     if not args.skip_llmc:
         out = args.work / "llmcompressor_gptq"
         res = run_measured([str(LLMC_PYTHON), str(ROOT / "benchmarks" / "llmc_runner.py"), "--model", str(model),
@@ -71,9 +74,13 @@ def main() -> None:
         run["eval"] = {k: kl_plain(model, run["out"], f) for k, f in eval_files.items()}
 
     names = list(runs)
+    import torch
+
+    machine = (f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, load average "
+               f"before {load_before:.2f}, after {os.getloadavg()[0]:.2f}")
     md = [f"# GPTQ W4A16 g{args.group_size} symmetric: quantkit vs llm-compressor", "",
           f"model `{model.name}`; calibration {args.calib_samples} x {args.seq_len} KJV tokens (identical for both); "
-          f"evaluation {args.heldout_samples} x {args.seq_len} tokens per domain", "",
+          f"evaluation {args.heldout_samples} x {args.seq_len} tokens per domain; {machine}", "",
           "| metric | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     md.append("| wall time (s) | " + " | ".join(f"{runs[n]['wall_s']:.1f}" for n in names) + " |")
     md.append("| peak RSS (MB) | " + " | ".join(f"{runs[n]['peak_rss_bytes'] / 1e6:.0f}" for n in names) + " |")
@@ -82,6 +89,11 @@ def main() -> None:
         md.append(f"| KL, {k} | " + " | ".join(f"{runs[n]['eval'][k]['kl_mean']:.4f}" for n in names) + " |")
         md.append(f"| perplexity, {k} (base {base_ppl:.2f}) | "
                   + " | ".join(f"{runs[n]['eval'][k]['ppl']:.3f}" for n in names) + " |")
+    phased = [n for n in names if runs[n].get("phases")]
+    keys = sorted({k for n in phased for k in runs[n]["phases"]})
+    md += ["", "Seconds per phase (quantkit's manifest, summed over layers):", "",
+           "| phase | " + " | ".join(phased) + " |", "|---" * (len(phased) + 1) + "|"]
+    md += [f"| {k} | " + " | ".join(f"{runs[n]['phases'].get(k, 0.0):.1f}" for n in phased) + " |" for k in keys]
     qk = runs["quantkit gptq"]
     if "llm-compressor gptq" in runs:
         lc = runs["llm-compressor gptq"]

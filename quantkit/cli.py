@@ -138,6 +138,7 @@ def quantize(
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Calibration samples (default 128)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (default 512)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default 42)."),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="auto (default: one-pass where its held activations fit in a quarter of free memory, else two-pass), one-pass (a layer's linears calibrate group by group in call order inside one forward) or two-pass (statistics from an unquantised pass, then a quantised pass)."),
     actorder: Optional[str] = typer.Option(None, "--actorder", help="GPTQ column order: static (default), group (writes g_idx) or none."),
     dampening: Optional[float] = typer.Option(None, "--dampening", help="GPTQ dampening relative to mean diag(H) (default 0.1)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Output folder (written atomically)."),
@@ -175,7 +176,7 @@ def quantize(
         if tp is not None and tp < 1:
             raise QuantkitError(f"--tp must be at least 1, got {tp}")
         rec.override("calibration", dataset=dataset, num_samples=num_samples, seq_len=seq_len, seed=seed,
-                     text_column=text_column)
+                     text_column=text_column, schedule=schedule)
         out = output or (Path(rec.output) if rec.output else None)
         if out is None:
             raise QuantkitError("--output is required (or an `output:` field in the recipe)")

@@ -26,6 +26,9 @@ class QuantizationSpec:
     strict: bool = False  # refuse instead of falling back when a layer cannot take the scheme (FP8_BLOCK)
 
 
+SCHEDULES = ("auto", "one-pass", "two-pass")
+
+
 @dataclass
 class CalibrationSpec:
     dataset: str = "kjv"
@@ -35,6 +38,15 @@ class CalibrationSpec:
     text_column: str | None = None
     batch_size: int = 0  # 0 = automatic (about 4096 tokens per batch)
     error_samples: int = 8  # samples that measure per-layer error for data-free methods
+    # one-pass: a layer's linears calibrate group by group in call order inside one forward per batch (each
+    # group's statistics see the earlier groups quantised); two-pass: statistics of all from an unquantised
+    # pass, then a quantised pass; auto: one-pass where the paused batches' activations fit in a quarter of the
+    # free memory (quantkit.pipeline.grouped; README, "Calibration schedule").
+    schedule: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise InputError(f"calibration.schedule must be {' or '.join(SCHEDULES)}, not {self.schedule!r}")
 
 
 @dataclass

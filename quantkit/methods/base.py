@@ -51,6 +51,11 @@ class LayerContext:
     matmul_dtype: torch.dtype = torch.float32
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of this layer (see `phase`)
     ranks: Ranks = SINGLE  # data-parallel calibration: this process's place among the ranks
+    # One-pass schedule: the linears an `apply` call quantises (None: every pending one), and the linear whose
+    # input each linear shares (its statistics' owner), known before the pass from the probe forward.
+    active: set[str] | None = None
+    input_leaders: dict[str, str] = field(default_factory=dict)
+    schedule: str = "two-pass"  # which schedule calibrated this layer (recorded in the manifest)
 
     @contextmanager
     def phase(self, name: str):
@@ -80,7 +85,7 @@ class LayerContext:
         self.results[name] = result
 
     def pending(self) -> list[str]:
-        return [n for n in self.targets if n not in self.results]
+        return [n for n in self.targets if n not in self.results and (self.active is None or n in self.active)]
 
 
 def check_known_options(method: str, options: dict, known) -> None:
@@ -95,6 +100,9 @@ class Method:
     needs_calibration: ClassVar[bool] = False
     quantizes: ClassVar[bool] = True  # False for pure transforms (smoothing) that must be followed by a quantiser
     schemes: ClassVar[tuple[str, ...] | None] = None  # scheme names the method can produce; None = every scheme
+    # Whether `apply` may quantise any subset of the pending linears (ctx.active) with the statistics of those
+    # alone, as the one-pass schedule asks; methods that move scales between linears (AWQ) cannot.
+    groupwise: ClassVar[bool] = False
 
     def __init__(self, scheme: Scheme, **options):
         self.scheme = scheme
@@ -126,8 +134,8 @@ class SharedInputs:
     every expert's own input passes by. They are held by weak reference: remembering an input must never keep
     a batch's activations alive (strong references held ~100 MB of a 0.7B model's past batches)."""
 
-    def __init__(self, keep: int = 8) -> None:
-        self.leaders: dict[str, str] = {}
+    def __init__(self, keep: int = 8, known: dict[str, str] | None = None) -> None:
+        self.leaders: dict[str, str] = dict(known or {})  # known: from the one-pass probe (ctx.input_leaders)
         self._recent: list[tuple[weakref.ref, str]] = []
         self._keep = keep
 

@@ -181,6 +181,26 @@ class SolveResult:
     zero_point: torch.Tensor  # fp32 [B, R, G]
 
 
+_SCALE_DTYPE_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def gptq_extension():
+    """The C++ column loop (csrc/cpu/gptq_solve.cpp), or None (after one warning) where it cannot be built;
+    QUANTKIT_EAGER_SOLVE=1 keeps the eager loop, its reference."""
+    import os
+
+    from quantkit.native import CSRC, load_cpu_extension
+    from quantkit.progress import warn_once
+
+    if os.environ.get("QUANTKIT_EAGER_SOLVE"):
+        return None
+    module, why = load_cpu_extension(CSRC / "cpu" / "gptq_solve.cpp", ("-ffp-contract=off", "-fno-math-errno",
+                                                                       "-fopenmp-simd"))
+    if module is None:
+        warn_once(f"gptq: {why}; the eager column loop runs instead (slower, same result)")
+    return module
+
+
 def gptq_solve(
     weight: torch.Tensor,
     u: torch.Tensor,
@@ -237,6 +257,46 @@ def gptq_solve(
                     set_group(b, g, w[b][:, members[b][g]])
 
     q_p = torch.zeros(bsz, rows, n, dtype=torch.int8, device=dev)  # q fits int8 (SolveResult's dtype)
+
+    def group_start(b: int, g: int, i1: int, i2: int, i: int, w: torch.Tensor, w1: torch.Tensor,
+                    err1: torch.Tensor) -> None:
+        """Group g of problem b is first reached at column i1 + i: its scale from its members as updated so far."""
+        cols = members[b][g]
+        inside = cols[cols < i2]
+        outside = cols[cols >= i2]
+        values = torch.empty(rows, cols.numel(), device=dev)
+        n_in = inside.numel()
+        values[:, :n_in] = w1[b][:, inside - i1]
+        if outside.numel():
+            # Bring the lazily updated columns up to date with this block's errors so far.
+            values[:, n_in:] = w[b][:, outside] - err1[b][:, :i] @ u[b][i1 : i1 + i][:, outside]
+        set_group(b, g, values)
+
+    ext = gptq_extension() if dev.type == "cpu" and n else None
+    if ext is not None:
+        for i1 in range(0, n, block_size):
+            i2 = min(i1 + block_size, n)
+            w1 = w[:, :, i1:i2].contiguous()
+            err1 = torch.zeros(bsz, rows, i2 - i1, device=dev)
+            u1 = u[:, i1:i2, i1:i2].float().contiguous()
+            grp1 = grp_p[:, i1:i2].contiguous()
+            # The C++ loop runs between the columns where a group's scale is set (from the columns as updated).
+            starts = sorted(k for k in first_at if i1 <= k < i2) if scales == "updated" else []
+            done = i1
+            for k in starts + [i2]:
+                if k > done:
+                    ext.gptq_columns(w1, u1, scale_g, zp_g, grp1, err1, q_p, done - i1, k - i1, i1, int(args.qmin),
+                                     int(args.qmax), bool(sym), _SCALE_DTYPE_CODES[scale_dtype])
+                for b, g in first_at.get(k, []) if k < i2 else []:
+                    group_start(b, g, i1, i2, k - i1, w, w1, err1)
+                done = k
+            if i2 < n:
+                w[:, :, i2:].baddbmm_(err1, u[:, i1:i2, i2:], alpha=-1)
+        del w
+        q_out = torch.empty_like(q_p)
+        q_out.scatter_(2, perm[:, None, :].expand(bsz, rows, n), q_p)
+        return SolveResult(q_out, scale_g, zp_g)
+
     threads = torch.get_num_threads()
     try:
         for i1 in range(0, n, block_size):
@@ -253,16 +313,7 @@ def gptq_solve(
                 k = i1 + i
                 if scales == "updated" and k in first_at:
                     for b, g in first_at[k]:
-                        cols = members[b][g]
-                        inside = cols[cols < i2]
-                        outside = cols[cols >= i2]
-                        values = torch.empty(rows, cols.numel(), device=dev)
-                        n_in = inside.numel()
-                        values[:, :n_in] = w1[b][:, inside - i1]
-                        if outside.numel():
-                            # Bring the lazily updated columns up to date with this block's errors so far.
-                            values[:, n_in:] = w[b][:, outside] - err1[b][:, :i] @ u[b][i1:k][:, outside]
-                        set_group(b, g, values)
+                        group_start(b, g, i1, i2, i, w, w1, err1)
                 col = w1[:, :, i]
                 at = grp_idx[:, :, k : k + 1].expand(bsz, rows, 1)
                 s = scale_g.gather(2, at)[:, :, 0]
@@ -297,18 +348,22 @@ def stored_weight(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
 
 
 def relative_output_errors(weight: torch.Tensor, approxs: list[torch.Tensor], h: torch.Tensor,
-                           perm: torch.Tensor | None = None, rows: int = 256) -> list[float]:
+                           perm: torch.Tensor | None = None, rows: int = 256,
+                           matmul_dtype: torch.dtype = torch.float32) -> list[float]:
     """||(W - Wq) X^T|| / ||W X^T|| over the calibration tokens, from H ~ X^T X, for each approximation.
     `perm`: h is given with rows and columns in that order (the solve's), the weights in the original one.
-    Computed `rows` weight rows at a time, so the temporaries stay a few MB whatever the layer's size."""
+    Computed `rows` weight rows at a time, so the temporaries stay a few MB whatever the layer's size.
+    The product with H runs in `matmul_dtype` (the run's: bf16 where it is the faster, which moves each error by
+    ~2^-8 relative; it reports errors and compares GPTQ with RTN, neither of which needs more)."""
     w = weight.float()
+    hm = h.to(matmul_dtype)
     quad = torch.zeros(len(approxs) + 1, dtype=torch.float64)
     for r0 in range(0, w.shape[0], rows):
         part = w[r0 : r0 + rows]
         stacked = torch.stack([part] + [part - a[r0 : r0 + rows].float() for a in approxs])
         if perm is not None:
             stacked = stacked[:, :, perm]
-        quad += ((stacked @ h) * stacked).flatten(1).sum(-1).double()
+        quad += (((stacked.to(matmul_dtype) @ hm).float()) * stacked).flatten(1).sum(-1).double()
     den = float(quad[0])
     return [math.sqrt(max(float(v), 0.0) / den) if den > 0 else 0.0 for v in quad[1:]]
 
@@ -338,6 +393,7 @@ class _Problem:
 
 class GPTQ(Method):
     name = "gptq"
+    groupwise = True
     schemes = ("W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W8A8_STATIC")  # integer weights only
     needs_calibration = True
 
@@ -362,11 +418,13 @@ class GPTQ(Method):
         self._reset()
         mm_dtype = torch.bfloat16 if self.config.hessian_dtype == "bfloat16" else torch.float32
 
+        self._shared = SharedInputs(known=ctx.input_leaders)
+
         def hook(name):
-            def fn(module, inputs, output):
+            def fn(module, inputs):
                 x = inputs[0]
-                if self._shared.see(name, x) != name:
-                    return
+                if name in ctx.results or self._shared.see(name, x) != name:
+                    return  # quantised already (one-pass schedule), or another linear's input
                 with ctx.phase("statistics"):
                     if name not in self._sums:
                         # float64: the sum of the per-batch float32 products is then exact (see
@@ -381,7 +439,7 @@ class GPTQ(Method):
 
             return fn
 
-        return [m.register_forward_hook(hook(n)) for n, m in ctx.targets.items()]
+        return [m.register_forward_pre_hook(hook(n)) for n, m in ctx.targets.items()]
 
     def reduce_statistics(self, ranks) -> None:
         self._sums = ranks.reduce(self._sums, "sum")
@@ -396,9 +454,10 @@ class GPTQ(Method):
         threads = torch.get_num_threads()
         on_cpu = all(t.weight.device.type == "cpu" for t in ctx.targets.values())
         try:
-            if on_cpu:
-                # Everything here works on matrices of a few MB: OpenMP barriers cost more than they save, and
-                # on a shared machine they stall (measured 2-20x slower with 2 threads than with 1).
+            if on_cpu and gptq_extension() is None:
+                # The eager column loop is thousands of small ops: OpenMP barriers cost more than they save, and
+                # on a shared machine they stall (measured 2-20x slower with 2 threads than with 1). The compiled
+                # loop and the factorisations use every thread.
                 torch.set_num_threads(1)
             self._apply(ctx)
         finally:
@@ -591,7 +650,8 @@ class GPTQ(Method):
                     q_rtn, s_rtn, z_rtn = quantize_weight(w, args, scale_dtype=ctx.weight_dtype)
                     rtn_zp = None if args.symmetric else z_rtn
                     rtn_approx = stored_weight(q_rtn, s_rtn.float(), rtn_zp, args, None, ctx.weight_dtype)
-                    err, err_rtn = relative_output_errors(w, [approx, rtn_approx], p.h, p.perm)
+                    err, err_rtn = relative_output_errors(w, [approx, rtn_approx], p.h, p.perm,
+                                                          matmul_dtype=ctx.matmul_dtype)
                 entry = {"layer": ctx.index, "linear": name, "gptq": err, "rtn": err_rtn, "damp": damp}
                 if err > err_rtn:
                     # Only possible with a degenerate Hessian; the calibration error decides.

@@ -31,6 +31,7 @@ IMPORTANCE_FLOOR = 0.01
 class RTN(Method):
     name = "rtn"
     needs_calibration = False
+    groupwise = True
 
     def __init__(self, scheme, scale_search: str = "activation", **options):
         check_known_options(self.name, options, ["scale_search"])
@@ -50,9 +51,11 @@ class RTN(Method):
         if not self.uses_statistics:
             return []
 
+        self._shared = SharedInputs(known=ctx.input_leaders)
+
         def hook(name: str):
             def fn(module, inputs):
-                if self._shared.see(name, inputs[0]) != name:
+                if name in ctx.results or self._shared.see(name, inputs[0]) != name:
                     return
                 with ctx.phase("statistics"):
                     x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
@@ -97,4 +100,8 @@ class RTN(Method):
                 q, scale, zp = quantize_any(weight, args, ctx.weight_dtype)
                 result = QuantizedWeight(q, scale, zp, method=self.name)
             ctx.set_quantized(name, result)
-        self._reset()
+        if ctx.active is None:
+            self._reset()
+        else:  # one-pass schedule: the statistics of later groups are still to come
+            for name in ctx.active:
+                self._square_sums.pop(self._shared.leader(name), None)

@@ -119,6 +119,38 @@ def test_solver_matches_plain_reference(actorder, scales, symmetric, group):
     assert agree > 0.995, agree
 
 
+@pytest.mark.parametrize(
+    "actorder,scales,symmetric,group,mse",
+    [("static", "updated", True, 64, True), ("group", "updated", True, 32, False), ("none", "original", False, 64, True),
+     ("static", "updated", False, -1, True)],
+)
+def test_compiled_column_loop_equals_the_eager_one(actorder, scales, symmetric, group, mse, monkeypatch):
+    """csrc/cpu/gptq_solve.cpp against the eager torch loop it replaces, two problems batched, ragged blocks."""
+    from quantkit.methods.gptq import gptq_extension
+
+    if gptq_extension() is None:
+        pytest.skip("the compiled column loop cannot be built here")
+    args = QuantArgs(num_bits=4, symmetric=symmetric, strategy="group" if group > 0 else "channel",
+                     group_size=group if group > 0 else None)
+    ws, us, perms, groups = [], [], [], []
+    for seed in (5, 6):
+        w, h = _problem(seed, rows=40)
+        perm = column_order(h, actorder)
+        u, _ = inverse_cholesky(dampen(h[perm][:, perm], 0.1)[0][None])
+        ws.append(w), us.append(u[0]), perms.append(perm), groups.append(column_groups(256, args, perm, actorder))
+    inputs = (torch.stack(ws), torch.stack(us), torch.stack(perms), torch.stack(groups), args, torch.bfloat16, scales, 96)
+    opts = {"mse": mse, "mse_weighting": "hessian" if mse else "none"}
+    compiled = gptq_solve(*inputs, **opts)
+    monkeypatch.setenv("QUANTKIT_EAGER_SOLVE", "1")
+    eager = gptq_solve(*inputs, **opts)
+    # Equal up to the rank-1 update's rounding (torch's baddbmm may fuse the multiply-add): nearly every value
+    # identical, any difference one quantisation step.
+    same = (compiled.q == eager.q).float().mean().item()
+    assert same > 0.999, same
+    assert (compiled.q.int() - eager.q.int()).abs().max() <= 1
+    assert (compiled.scale != eager.scale).float().mean() < 0.01
+
+
 def test_solver_batched_equals_one_by_one():
     args = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=64)
     probs = [_problem(s, rows=r) for s, r in ((2, 16), (3, 40))]
@@ -150,6 +182,20 @@ def test_gptq_beats_rtn_and_group_g_idx_is_consistent():
         assert err < 0.8 * err_rtn, (actorder, err, err_rtn)
     # group act-order: every group has exactly group_size columns
     assert torch.bincount(groups).tolist() == [64] * 4
+
+
+def test_error_report_in_bf16_agrees_with_fp32():
+    """The report's product with H may run in bf16 (the run's matmul dtype): within 1% of fp32's, here for an
+    RTN approximation whose error is a few percent of the output."""
+    from quantkit.methods.gptq import relative_output_errors
+
+    args = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=64)
+    w, h = _problem(7, rows=96)
+    q, s, _ = quantize_weight(w, args, scale_dtype=torch.bfloat16)
+    approx = stored_weight(q, s, None, args, None, torch.bfloat16)
+    exact = relative_output_errors(w, [approx], h)[0]
+    fast = relative_output_errors(w, [approx], h, matmul_dtype=torch.bfloat16)[0]
+    assert 0.001 < exact and abs(fast - exact) < 0.01 * exact, (fast, exact)
 
 
 def test_dampening_raised_then_rtn_fallback_never_nan():

@@ -1,0 +1,163 @@
+"""One forward pass per layer: the linears calibrate group by group in the order the layer calls them
+([q, k, v] -> [o] -> [gate, up] -> [down] in a Llama layer), so each matmul runs once, with its final weights,
+and the pass that gathers a group's statistics is the same pass that feeds the next group and the next layer.
+
+A group is the set of linears that read one input tensor; the order and the groups are read off one probe
+forward of the layer (the unquantised reference forward of the first error-measuring batch, which the run needs
+anyway), so any architecture's layer order is learned, not listed. Each batch's forward runs in its own thread,
+but only one runs at a time, in batch order: a batch that reaches a group not yet quantised records its
+statistics (the methods' hooks) and hands over to the next batch; when the last batch has arrived, the group is
+quantised and batch 0 resumes. The same batches in the same order feed the same sums as a sequential loop, so
+the result does not depend on thread timing.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import ExitStack
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class Cancelled(Exception):
+    """Raised inside a paused forward when another batch's forward failed: unwinds it quietly."""
+
+
+def probe_groups(targets: dict[str, nn.Module], forward: Callable[[], torch.Tensor]):
+    """Run `forward` once and return (its output, the groups of target names in call order, or None).
+
+    None when some target was not called (MoE experts a batch did not route to: the order is not static) or a
+    target was called twice (its statistics could not be finished before it runs again)."""
+    calls: list[tuple[str, torch.Tensor]] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=name: calls.append((n, args[0])))
+             for name, m in targets.items()]
+    try:
+        out = forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    names = [n for n, _ in calls]
+    if sorted(names) != sorted(targets):
+        return out, None
+    groups: list[list[str]] = []
+    seen: list[torch.Tensor] = []
+    for name, x in calls:
+        at = next((i for i, y in enumerate(seen) if y is x), None)
+        if at is None:
+            seen.append(x)
+            groups.append([name])
+        elif at != len(seen) - 1:
+            return out, None  # an input read again after another group: not a simple chain
+        else:
+            groups[at].append(name)
+    return out, groups
+
+
+class GroupedPass:
+    """Runs `forward(j)` for every batch j, pausing all of them at the first linear of each group until every
+    batch has passed its statistics, then calling `apply_group(names)` once and resuming."""
+
+    def __init__(self, groups: list[list[str]], apply_group: Callable[[list[str]], None]):
+        self.groups = groups
+        self.apply_group = apply_group
+        self._cond = threading.Condition()
+        self._local = threading.local()
+        self._turn: int | None = None
+        self._alive: list[int] = []
+        self._waiting: dict[int, int] = {}  # batch -> group index it waits at
+        self._done: set[int] = set()
+        self._error: BaseException | None = None
+
+    def gate(self, index: int):
+        """A forward pre-hook for the first linear of group `index`; register it after the statistics hooks."""
+
+        def hook(module, args):
+            batch = getattr(self._local, "batch", None)
+            if batch is not None:
+                self._arrive(batch, index)
+
+        return hook
+
+    def run(self, batches: list[int], forward: Callable[[int], torch.Tensor], on_done=None) -> dict[int, torch.Tensor]:
+        """Every batch's output, or (with `on_done(j, output)`, called as each batch finishes, in batch order)
+        nothing: the caller takes each output as it comes."""
+        outputs: dict[int, torch.Tensor] = {}
+        grad, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")
+        autocast_dtype = torch.get_autocast_dtype("cpu")
+        self._alive = list(batches)
+        self._turn = batches[0] if batches else None
+
+        def worker(j: int) -> None:
+            self._local.batch = j
+            try:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._error is not None or self._turn == j)
+                    if self._error is not None:
+                        return
+                with ExitStack() as stack:  # grad mode and autocast are per thread
+                    stack.enter_context(torch.set_grad_enabled(grad))
+                    stack.enter_context(torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast))
+                    out = forward(j)
+            except Cancelled:
+                return
+            except BaseException as exc:  # handed to the caller's thread
+                with self._cond:
+                    if self._error is None:
+                        self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                try:
+                    if on_done is None:
+                        outputs[j] = out
+                    else:
+                        on_done(j, out)
+                except BaseException as exc:
+                    if self._error is None:
+                        self._error = exc
+                    self._cond.notify_all()
+                    return
+                self._alive.remove(j)
+                self._handover(j)
+
+        threads = [threading.Thread(target=worker, args=(j,), name=f"quantkit-batch-{j}", daemon=True)
+                   for j in batches]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self._error is not None:
+            raise self._error
+        unapplied = [i for i in range(len(self.groups)) if i not in self._done]
+        for i in unapplied:  # groups no batch reached (an empty batch list): quantised from what they have
+            self.apply_group(self.groups[i])
+        return outputs
+
+    def _arrive(self, batch: int, index: int) -> None:
+        with self._cond:
+            if index in self._done:
+                return
+            self._waiting[batch] = index
+            self._handover(batch)
+            self._cond.wait_for(lambda: self._error is not None or (self._turn == batch and index in self._done))
+            if self._error is not None:
+                raise Cancelled
+            del self._waiting[batch]
+
+    def _handover(self, batch: int) -> None:
+        """Called by the running batch (lock held) when it pauses or finishes: the next batch runs, or, when every
+        live batch waits, the groups they wait at are quantised (in this thread) and the first batch resumes."""
+        later = [k for k in self._alive if k > batch]
+        if later:
+            self._turn = later[0]
+        elif self._alive:
+            try:
+                for index in sorted(set(self._waiting.values())):
+                    self.apply_group(self.groups[index])
+                    self._done.add(index)
+            except BaseException as exc:
+                self._error = exc
+            self._turn = self._alive[0]
+        self._cond.notify_all()

@@ -1,0 +1,141 @@
+"""The one-pass schedule: group order learned by a probe, batches paused at each group until its statistics are
+complete, and the result of a plain sequential computation written out in the test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from typer.testing import CliRunner
+
+from quantkit.cli import app
+from quantkit.pipeline.grouped import GroupedPass, probe_groups
+
+runner = CliRunner()
+
+
+class Chain(nn.Module):
+    """x -> (a, b read x) -> c reads a(x) + b(x) -> d reads c(...)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8, bias=False) for _ in range(4))
+        for lin in (self.a, self.b, self.c, self.d):
+            lin.weight.data = torch.randn(8, 8, generator=g)
+
+    def forward(self, x):
+        return self.d(torch.relu(self.c(self.a(x) + self.b(x))))
+
+
+def _targets(m: Chain) -> dict[str, nn.Linear]:
+    return {"a": m.a, "b": m.b, "c": m.c, "d": m.d}
+
+
+def _quantise(lin: nn.Linear, sq: torch.Tensor) -> None:
+    """A stand-in for a method: scale each input column by its statistics, round, scale back."""
+    s = sq.sqrt().clamp_min(1e-6)
+    lin.weight.data = torch.round(lin.weight.data * s * 4) / (s * 4)
+
+
+def test_probe_finds_groups_in_call_order():
+    m = Chain()
+    out, groups = probe_groups(_targets(m), lambda: m(torch.randn(3, 8)))
+    assert groups == [["a", "b"], ["c"], ["d"]] and out.shape == (3, 8)
+    # A target the forward never calls: no static order.
+    extra = {**_targets(m), "e": nn.Linear(8, 8)}
+    assert probe_groups(extra, lambda: m(torch.randn(3, 8)))[1] is None
+
+
+def test_grouped_pass_equals_the_sequential_computation():
+    xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(j)) for j in range(4)]
+    # Expected, written out: each group's statistics over all batches with the earlier groups already quantised.
+    ref = Chain()
+    sq = sum(x.pow(2).sum(0) for x in xs)
+    _quantise(ref.a, sq), _quantise(ref.b, sq)
+    h = [ref.a(x) + ref.b(x) for x in xs]
+    _quantise(ref.c, sum(v.pow(2).sum(0) for v in h))
+    h = [torch.relu(ref.c(v)) for v in h]
+    _quantise(ref.d, sum(v.pow(2).sum(0) for v in h))
+    expected = [ref.d(v) for v in h]
+
+    m = Chain()
+    targets = _targets(m)
+    stats: dict[str, torch.Tensor] = {}
+    order: list[tuple] = []
+    applied: set[str] = set()
+
+    def record(name):
+        def hook(mod, args):
+            if name not in applied:
+                stats[name] = stats.get(name, 0) + args[0].pow(2).sum(0)
+                order.append(("stat", name))
+        return hook
+
+    groups = [["a", "b"], ["c"], ["d"]]
+
+    def apply_group(names):
+        order.append(("apply", tuple(names)))
+        for n in names:
+            _quantise(targets[n], stats[groups[0][0]] if n in groups[0] else stats[n])
+            applied.add(n)
+
+    grouped = GroupedPass(groups, apply_group)
+    hooks = [lin.register_forward_pre_hook(record(n)) for n, lin in targets.items()]
+    hooks += [targets[g[0]].register_forward_pre_hook(grouped.gate(i)) for i, g in enumerate(groups)]
+    with torch.no_grad():
+        got = grouped.run(list(range(4)), lambda j: m(xs[j]))
+    for h in hooks:
+        h.remove()
+    for j in range(4):
+        assert torch.allclose(got[j], expected[j], atol=1e-5)
+    # Each group applied once, after every batch's statistics for it, in group order.
+    applies = [i for i, o in enumerate(order) if o[0] == "apply"]
+    assert [order[i][1] for i in applies] == [("a", "b"), ("c",), ("d",)]
+    assert [o for o in order[: applies[0]] if o == ("stat", "a")] == [("stat", "a")] * 4
+
+
+def test_a_failing_batch_stops_the_pass_with_its_error():
+    m = Chain()
+    targets = _targets(m)
+    grouped = GroupedPass([["a", "b"], ["c"], ["d"]], lambda names: None)
+    hooks = [targets[g].register_forward_pre_hook(grouped.gate(i)) for i, g in enumerate(["a", "c", "d"])]
+
+    def forward(j):
+        if j == 2:
+            raise ValueError("batch 2 is broken")
+        return m(torch.randn(2, 8))
+
+    with pytest.raises(ValueError, match="batch 2 is broken"):
+        grouped.run(list(range(4)), forward)
+    for h in hooks:
+        h.remove()
+
+
+def test_one_pass_first_group_equals_two_pass(tmp_path, tiny_models, text_file):
+    """The first group (q/k/v of layer 0) sees the same unquantised inputs in both schedules: identical tensors.
+    Later groups see the earlier groups quantised in one-pass, so they may differ."""
+    outs = {}
+    for schedule in ("one-pass", "two-pass"):
+        out = tmp_path / schedule
+        res = runner.invoke(app, ["quantize", "--model", str(tiny_models["llama"]), "--method", "gptq",
+                                  "--group-size", "32", "--dataset", str(text_file), "--num-samples", "16",
+                                  "--seq-len", "64", "--schedule", schedule, "--output", str(out), "--json"])
+        assert res.exit_code == 0, res.output
+        outs[schedule] = load_file(str(out / "model.safetensors"))
+        assert json.loads(res.stdout)["phase_seconds"]["forward"] > 0
+    one, two = outs["one-pass"], outs["two-pass"]
+    first = [k for k in one if k.startswith("model.layers.0.self_attn.") and k.split(".")[4] in ("q_proj", "k_proj",
+                                                                                              "v_proj")]
+    assert len(first) >= 6 and all(torch.equal(one[k], two[k]) for k in first)
+    assert any(not torch.equal(one[k], two[k]) for k in one if ".layers.1." in k)
+
+
+def test_bad_schedule_is_one_line(tiny_models, tmp_path):
+    res = runner.invoke(app, ["quantize", "--model", str(tiny_models["llama"]), "--method", "gptq",
+                              "--schedule", "three-pass", "--output", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "calibration.schedule must be auto or one-pass or two-pass" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
