@@ -49,6 +49,21 @@ KINDS = {
 }
 
 
+# NLL gaps over 0.02 that are measured to be the checkpoint's own sensitivity, not an engine's error.
+EXPLAINED = {
+    "W8A8_STATIC": "not an engine error: this checkpoint's NLL moves 0.16 in vLLM itself when every input_scale moves "
+                   "one bf16 step (4.3820 / 4.5453), and quantkit's runtime moves +0.0905 when it divides x/scale in "
+                   "fp32 as vLLM does instead of in bf16 as compressed-tensors does; its reference kernels give "
+                   "transformers' 4.4936 exactly (benchmarks/results/static_activation_sensitivity.md)",
+}
+# Measured disagreements not yet explained (kept in the table until they are).
+OPEN = {
+    "MLA (convert-mla: bf16)": "UNEXPLAINED: vLLM loads it (latent 288 + 32 = 320) and scores NLL 5.06 against "
+                               "transformers' 3.30; a first cause was found and fixed (convert-mla wrote a tied head, "
+                               "which vLLM's DeepSeek-V3 leaves at zero: NLL was ln(49152) = 10.80); the rest is open",
+}
+
+
 def build(kind: str, work: Path) -> Path:
     out = work / re.sub(r"[^A-Za-z0-9]+", "-", kind).strip("-") / "ckpt"
     src = out.parent / "src"
@@ -121,6 +136,7 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--merge", action="store_true", help="keep the other kinds' rows of the last results file")
+    ap.add_argument("--render", action="store_true", help="only rewrite the .md from the last results file")
     ap.add_argument("--add-runtime", action="store_true",
                     help="only add quantkit runtime NLLs to the last results file's rows (no vLLM)")
     a = ap.parse_args()
@@ -129,6 +145,9 @@ def main() -> None:
     base = resolve_model(None).path
     tok = AutoTokenizer.from_pretrained(str(base))
     blocks = build_token_blocks(tok, "kjv", a.num_samples, a.seq_len, 42, split="heldout").input_ids.tolist()
+    if a.render:
+        _write(json.loads((ROOT / "benchmarks" / "results" / "vllm_agreement.json").read_text()))
+        return
     if a.add_runtime:
         payload = json.loads((ROOT / "benchmarks" / "results" / "vllm_agreement.json").read_text())
         for row in payload["rows"]:
@@ -198,8 +217,9 @@ def _write(payload: dict) -> None:
              + f"; {payload['tokens']} held-out KJV tokens; vLLM CPU build, bf16"
              + (f" (rows {', '.join(payload['merged_from']['kinds'])} from the previous run, load average before "
                 f"{payload['merged_from']['load_average_before'][0]:.2f})" if "merged_from" in payload else ""), "",
-             "NLL in nats per token; transformers decompresses the weights and keeps activations in bf16 (for W8A8 and "
-             "FP8 schemes a weight-only reference); quantkit's runtime quantises activations as the checkpoint says.", "",
+             "NLL in nats per token. transformers (compressed-tensors) decompresses the weights and fake-quantises "
+             "activations as the checkpoint says, in bf16 (on the W8A8 rows its NLL equals quantkit's reference "
+             "kernels', static_activation_sensitivity.md); quantkit's runtime multiplies the int8 codes exactly.", "",
              "| kind | check-serving (cpu) | vLLM CPU | agree | NLL vLLM | NLL transformers | vLLM - transformers | "
              "NLL quantkit runtime | vLLM - quantkit | note |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -210,7 +230,9 @@ def _write(payload: dict) -> None:
         fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
         diff = r.get("nll_diff")
         flag = "" if diff is None or abs(diff) <= 0.02 else " (over 0.02)"
-        note = "; ".join(filter(None, [", ".join(r["rule_problems"]), r.get("vllm_error", ""),
+        note = "; ".join(filter(None, [EXPLAINED.get(r["kind"], ""), OPEN.get(r["kind"], ""),
+                                       ", ".join(r["rule_problems"]),
+                                       r.get("vllm_error", ""),
                                        r.get("transformers_error", "")]))
         lines.append(f"| {r['kind']} | {'loads' if r['rules_say_loads'] else 'refused'} | "
                      f"{'loads' if r['vllm_loads'] else 'refused'} | {'yes' if r['agrees'] else 'NO'} | "

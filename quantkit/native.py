@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import platform
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,6 +32,23 @@ def cpu_has_avx2() -> bool:
     return {"avx2", "fma", "f16c"} <= have
 
 
+@contextmanager
+def _build_lock(build: Path):
+    """One builder per build folder, by an flock the kernel releases when its holder dies. torch's own lock is a
+    plain file (`build/lock`) that a process killed mid-compile leaves behind, and every later load then waits
+    for it forever (measured: a release run hung silently after an earlier run was killed while compiling). Under
+    this lock no other quantkit process is building here, so a leftover `lock` file is stale and removed."""
+    import fcntl
+
+    with open(build / ".quantkit-build.lock", "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load_cpu_extension(path: Path, extra_cflags: tuple[str, ...] = ()):
     """(module, None), or (None, why) where the C++ source at `path` (one of csrc/cpu/) cannot be built or run."""
@@ -49,8 +67,9 @@ def load_cpu_extension(path: Path, extra_cflags: tuple[str, ...] = ()):
         from torch.utils.cpp_extension import load
 
         build.mkdir(parents=True, exist_ok=True)
-        module = load(name=f"quantkit_{stem}_{tag}", sources=[str(path)], build_directory=str(build),
-                      extra_cflags=CPU_FLAGS + list(extra_cflags), verbose=False)
+        with _build_lock(build):
+            module = load(name=f"quantkit_{stem}_{tag}", sources=[str(path)], build_directory=str(build),
+                          extra_cflags=CPU_FLAGS + list(extra_cflags), verbose=False)
         return module, None
     except Exception as exc:  # a missing compiler, headers or ninja: the eager code still runs everything
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

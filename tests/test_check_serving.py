@@ -241,3 +241,21 @@ def test_mla_latent_size_must_be_one_vllm_takes(tiny_models, tmp_path):
     reasons = [p["reason"] for p in report["problems"] if p["tensor"] == "model.layers.*.self_attn"]
     assert reasons and "MLA latent size 48 (kv_lora_rank 32 + qk_rope_head_dim 16)" in reasons[0]
     assert "--kv-lora-rank 304 or 496 or 560" in reasons[0]
+
+
+def test_tied_deepseek_without_lm_head_is_refused(tiny_models, tmp_path):
+    """vLLM's DeepSeek-V3 never ties: a tied checkpoint without lm_head.weight would serve uniform logits (measured:
+    NLL ln(vocab) on vLLM 0.32.0's CPU build)."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "ds"
+    _quantize(tiny_models["deepseek_v3"], out, group=16)
+    assert not any(p["tensor"] == "lm_head.weight" for p in _check(out, "--gpu", "sm_90")["problems"])
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    for f in out.glob("*.safetensors"):
+        tensors = {k: v for k, v in load_file(str(f)).items() if k != "lm_head.weight"}
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    reasons = [p["reason"] for p in _check(out, "--gpu", "sm_90")["problems"] if p["tensor"] == "lm_head.weight"]
+    assert reasons and "never ties lm_head" in reasons[0]
+

@@ -438,7 +438,9 @@ def deepseek_config(src: dict, dims: MLADims) -> dict:
         "rope_interleave": True,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "tie_word_embeddings": bool(src.get("tie_word_embeddings", False)),
+        # Never tied: vLLM's DeepSeek-V3 always loads its own lm_head (a tied checkpoint without lm_head.weight
+        # loads with a zero head there: uniform logits, NLL ln(vocab), measured on vLLM 0.32.0's CPU build).
+        "tie_word_embeddings": False,
         "initializer_range": src.get("initializer_range", 0.02),
         "use_cache": True,
         "dtype": src.get("dtype") or src.get("torch_dtype") or "bfloat16",
@@ -474,7 +476,7 @@ def _layer_names(i: int) -> dict[str, str]:
         "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")}
 
 
-def _tensor_specs(dims: MLADims, cfg: dict, dtype: torch.dtype, tied: bool):
+def _tensor_specs(dims: MLADims, cfg: dict, dtype: torch.dtype):
     from quantkit.formats.safetensors_writer import TensorSpec
 
     h, nh, hd, dr, r = dims.hidden, dims.n_heads, dims.head_dim, dims.rope_dim, dims.kv_lora_rank
@@ -496,8 +498,7 @@ def _tensor_specs(dims: MLADims, cfg: dict, dtype: torch.dtype, tied: bool):
         for local, full in _layer_names(i).items():
             specs.append(TensorSpec(full, dtype, shapes[local]))
     specs.append(TensorSpec("model.norm.weight", dtype, (h,)))
-    if not tied:
-        specs.append(TensorSpec("lm_head.weight", dtype, (cfg["vocab_size"], h)))
+    specs.append(TensorSpec("lm_head.weight", dtype, (cfg["vocab_size"], h)))
     return specs
 
 
@@ -541,7 +542,6 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
     alpha = residual_scale(dims)
     cfg = deepseek_config(src_cfg, dims)
     cfg["dtype"] = str(dtype).replace("torch.", "")
-    tied = cfg["tie_word_embeddings"]
     from quantkit.compute import choose_compute_dtype, matmul_shapes
     from quantkit.progress import announce, progress_bar
 
@@ -556,7 +556,7 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
     try:
         progress = stack.enter_context(progress_bar())
         layer_task = progress.add_task("convert-mla layers", total=handle.num_layers, info="")
-        writer = PlannedShardWriter(partial, _tensor_specs(dims, cfg, dtype, tied))
+        writer = PlannedShardWriter(partial, _tensor_specs(dims, cfg, dtype))
         emb = handle.index.get(handle.embedding_path() + ".weight").to(torch.float32) * alpha
         writer.write("model.embed_tokens.weight", emb.to(dtype))
         hidden, calls = capture_layer_inputs(handle, calib.input_ids, batch_size, "cpu", run_dtype)
@@ -626,9 +626,10 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
             del layer
         norm_name = handle.adapter.layers_path.rpartition(".")[0] + ".norm.weight"
         norm = handle.index.get(norm_name).to(torch.float32)
-        writer.write("model.norm.weight", (norm / alpha if tied else norm).to(dtype))
-        if not tied:
-            writer.write("lm_head.weight", handle.index.get("lm_head.weight").to(dtype))
+        writer.write("model.norm.weight", norm.to(dtype))
+        # A tied source's head is its (unscaled) embedding matrix, written out (the layout is never tied).
+        head = "lm_head.weight" if "lm_head.weight" in handle.index else handle.embedding_path() + ".weight"
+        writer.write("lm_head.weight", handle.index.get(head).to(dtype))
         writer.close()
         writer.write_index()
         (partial / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -200,6 +200,12 @@ def _check(folder: Path, config: dict, target: ServingTarget) -> dict:
                     f"MLA latent size {size} (kv_lora_rank {latent} + qk_rope_head_dim {size - int(latent)}) is not one "
                     f"vLLM's MLA attention takes ({sizes}); convert with --kv-lora-rank "
                     f"{' or '.join(str(s - size + int(latent)) for s in vs.MLA_LATENT_SIZES if s > size - int(latent))}")
+    archs = config.get("architectures") or []
+    untied = [a for a in archs if a in vs.NEVER_TIED_ARCHITECTURES]
+    if untied and config.get("tie_word_embeddings") and "lm_head.weight" not in index:
+        problem("lm_head.weight", f"{untied[0]} in vLLM never ties lm_head to the embeddings: this tied checkpoint "
+                                  "has no lm_head.weight, which vLLM leaves at zero (uniform logits); write the "
+                                  "head out and set tie_word_embeddings false")
     if heads is not None and target.tp > 1 and heads.num_heads % target.tp:
         problem("model.layers.*.self_attn", f"{heads.num_heads} attention heads are not divisible by tp={target.tp}")
 

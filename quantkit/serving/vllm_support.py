@@ -96,6 +96,11 @@ class Feature:
 # the CPU build ('Head dimension 128 is not supported by MLA').
 MLA_LATENT_SIZES = (320, 512, 576)
 
+# Architectures whose vLLM model always builds its own lm_head and ignores tie_word_embeddings (DeepseekV2ForCausalLM,
+# which serves V3 too, in vLLM 0.32.0). Measured: a tied convert-mla SmolLM2 without lm_head.weight loaded and scored
+# NLL 10.8027 = ln(49152), the uniform distribution, against transformers' 3.30.
+NEVER_TIED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
 FEATURES: tuple[Feature, ...] = (
     Feature("zero_points", "asymmetric integer weights (weight_zero_point, W4A16_ASYM)", min_version="0.9.0",
             source="llm-compressor#1427: vLLM 0.8.5 finds no compressed-tensors scheme for W4A16_ASYM"),

@@ -33,12 +33,13 @@ def tiny(tmp_path_factory):
         "mqa": make_tiny_model(root / "mqa", "llama", num_key_value_heads=1, seed=1),
         "gqa": make_tiny_model(root / "gqa", "llama", seed=2),
         "qwen2_mqa": make_tiny_model(root / "qwen2", "qwen2", num_key_value_heads=1, seed=3),
+        "mqa_tied": make_tiny_model(root / "tied", "llama", num_key_value_heads=1, seed=4, tie_word_embeddings=True),
         "root": root,
     }
 
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["mqa", "qwen2_mqa"])
+@pytest.mark.parametrize("name", ["mqa", "qwen2_mqa", "mqa_tied"])
 def test_full_rank_single_kv_head_reproduces_logits(tiny, name, compute_dtype, tmp_path):
     """One KV head and rope_dim = head_dim: nothing is lost, so the DeepSeek-V3 model must equal the source,
     whichever dtype the source forward runs in (`auto` picks bf16 on CPUs with fast bf16: there the refinement
@@ -52,6 +53,12 @@ def test_full_rank_single_kv_head_reproduces_logits(tiny, name, compute_dtype, t
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     rel = float((got - want).abs().max() / want.abs().max())
     assert rel < 1e-4, f"max logit difference {rel:.2e} of the largest logit"
+    # Never tied, even from a tied source: vLLM's DeepSeek-V3 ignores tying and needs lm_head.weight.
+    from safetensors import safe_open
+
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        assert "lm_head.weight" in f.keys()
 
 
 def test_output_loads_in_transformers_and_matches_own_forward(tiny, tmp_path):

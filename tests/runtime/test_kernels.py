@@ -360,3 +360,28 @@ def test_int_mm_probe_matches_an_exact_product():
     b = torch.randint(-128, 128, (576, 96), generator=gen, dtype=torch.int8)
     exact = torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
     assert int_mm_is_exact() == exact
+
+
+def test_a_build_killed_mid_compile_does_not_hang_the_next(tmp_path, monkeypatch):
+    """torch's build lock is a plain file a killed build leaves behind; the next load must not wait on it."""
+    import threading
+
+    from quantkit import native
+
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "tiny_ext.cpp"
+    src.write_text('#include <torch/extension.h>\nint answer() { return 42; }\n'
+                   'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }\n')
+    import hashlib
+
+    tag = hashlib.sha256(src.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    build = tmp_path / "cache" / "kernels" / f"tiny_ext-{tag}"
+    build.mkdir(parents=True)
+    (build / "lock").touch()  # what a build killed mid-compile leaves
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=native.load_cpu_extension(src)), daemon=True)
+    t.start()
+    t.join(timeout=240)
+    assert not t.is_alive(), "load_cpu_extension waited on a stale lock"
+    module, why = result["out"]
+    assert why is None and module.answer() == 42
