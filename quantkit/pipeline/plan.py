@@ -147,7 +147,8 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
     from quantkit.formats.compressed_tensors import pack_quantized
     from quantkit.pipeline.activations import ActivationStore
     from quantkit.pipeline.capture import capture_layer_inputs
-    from quantkit.pipeline.engine import LayerBatches, layer_context, process_layer, release_freed_memory
+    from quantkit.pipeline.engine import (LayerBatches, layer_context, paused_activation_bytes, process_layer,
+                                          release_freed_memory)
 
     n = max(1, min(setup.n_samples, trial_samples or setup.batch_size))
     autocast = compute.autocast
@@ -181,8 +182,11 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
             acts[j] = h
         timings: dict = {}
         methods = build_methods(q.method, setup.scheme, q.options)
+        batches = LayerBatches.local(acts, calls, setup.error_batches)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            process_layer(layer, ctx, methods, LayerBatches.local(acts, calls, setup.error_batches), timings=timings)
+            process_layer(layer, ctx, methods, batches, timings=timings, schedule=setup.recipe.calibration.schedule)
+        # One-pass holds every batch's activations at the pauses: that part of the peak grows with the samples.
+        paused_per_sample = paused_activation_bytes(ctx, batches) / n if ctx.schedule == "one-pass" else 0.0
         began = time.perf_counter()
         for t in plan.targets:
             pack_quantized(t.checkpoint, ctx.results[t.local], t.scheme, setup.weight_dtype,
@@ -190,10 +194,11 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
         pack = time.perf_counter() - began
     del hidden
     peak = hwm.peak()
-    del layer, ctx, acts
+    ctx_schedule = ctx.schedule
+    del layer, ctx, acts, batches
     release_freed_memory()
     return Trial(n, capture, materialize, timings["forward"], timings["apply"], pack, rss_before, peak, element,
-                 {"hwm_resettable": hwm.resettable})
+                 {"hwm_resettable": hwm.resettable, "schedule": ctx_schedule, "paused_bytes_per_sample": paused_per_sample})
 
 
 def plan_run(opts: PlanOptions) -> dict:
@@ -259,7 +264,15 @@ def plan_run(opts: PlanOptions) -> dict:
     batch_acts = setup.batch_size * setup.calib.input_ids.shape[1] * _hidden(setup) * trial.activation_element_bytes
     trial_batches = math.ceil(trial.samples / setup.batch_size)
     references = (setup.error_batches - min(setup.error_batches, trial_batches)) * batch_acts
-    layer_peak = trial.rss_peak + bigger_layer + (0 if spill else full_acts - trial_acts) + references
+    paused = trial.extra["paused_bytes_per_sample"] * (n - trial.samples)
+    if recipe.calibration.schedule == "auto" and paused > 0:
+        import psutil
+
+        from quantkit.pipeline.engine import ONE_PASS_MEMORY_SHARE
+
+        if trial.extra["paused_bytes_per_sample"] * n > ONE_PASS_MEMORY_SHARE * psutil.virtual_memory().available:
+            paused = 0  # the full run falls back to two-pass, as the trial could not (its few samples fit)
+    layer_peak = trial.rss_peak + bigger_layer + (0 if spill else full_acts - trial_acts) + references + paused
     peak = max(opts.startup_peak, setup_peak, layer_peak)
     return {
         "output": str(output),
