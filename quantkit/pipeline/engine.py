@@ -406,6 +406,17 @@ def _process_layer_one_pass(layer: nn.Module, ctx: LayerContext, stages: list[li
     forward = lambda j: run_layer(layer, acts[j], calls[j][ctx.index])  # noqa: E731
     references: dict[int, torch.Tensor] = {}
     began = time.perf_counter()
+    # The probe first, before anything changes the layer: one unquantised forward (with a single stage it is the
+    # first measured batch's reference, which the error needs anyway). No static order: the caller runs two-pass.
+    first = measured[0] if measured else batches.owned[0]
+    with torch.no_grad(), ctx.phase("calibration_pass"):
+        out, groups = probe_groups(ctx.targets, lambda: forward(first))
+    if groups is None:
+        timings["forward"] += time.perf_counter() - began
+        return None
+    if first in measured and len(stages) == 1:
+        references[first] = out
+    del out
     for k, stage in enumerate(stages[:-1]):  # transforms (SmoothQuant) calibrate on the whole unquantised layer
         hooks = [h for m in stage for h in m.attach(ctx)]
         with torch.no_grad(), ctx.phase("calibration_pass"):
@@ -418,16 +429,6 @@ def _process_layer_one_pass(layer: nn.Module, ctx: LayerContext, stages: list[li
         with ctx.phase("apply"):
             for method in stage:
                 method.apply(ctx)
-    # The probe: one unquantised forward (the first measured batch's reference, which the error needs anyway).
-    first = measured[0] if measured else batches.owned[0]
-    with torch.no_grad(), ctx.phase("calibration_pass"):
-        out, groups = probe_groups(ctx.targets, lambda: forward(first))
-    if groups is None:
-        timings["forward"] += time.perf_counter() - began
-        return None
-    if first in measured and len(stages) == 1:
-        references[first] = out
-    del out
     with torch.no_grad(), ctx.phase("calibration_pass"):
         for j in measured:
             if j not in references:

@@ -139,3 +139,23 @@ def test_bad_schedule_is_one_line(tiny_models, tmp_path):
                               "--schedule", "three-pass", "--output", str(tmp_path / "x")])
     assert res.exit_code == 2 and "calibration.schedule must be auto or one-pass or two-pass" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_no_static_order_falls_back_to_two_pass_unchanged(tmp_path, tiny_models, text_file, monkeypatch):
+    """When the probe finds no static group order the layer runs two-pass, untouched by the attempt: with a
+    transform stage first (SmoothQuant) its smoothing must be applied once, so the bytes equal a two-pass run's."""
+    import quantkit.pipeline.grouped as grouped
+
+    def run(schedule, out):
+        res = runner.invoke(app, ["quantize", "--model", str(tiny_models["llama"]), "--method", "smoothquant+gptq",
+                                  "--scheme", "W8A8", "--group-size", "-1", "--dataset", str(text_file),
+                                  "--num-samples", "8", "--seq-len", "64", "--schedule", schedule,
+                                  "--output", str(out), "--json"])
+        assert res.exit_code == 0, res.output
+        return load_file(str(out / "model.safetensors"))
+
+    two = run("two-pass", tmp_path / "two")
+    real_probe = grouped.probe_groups
+    monkeypatch.setattr(grouped, "probe_groups", lambda targets, forward: (real_probe(targets, forward)[0], None))
+    fallback = run("one-pass", tmp_path / "fallback")
+    assert two.keys() == fallback.keys() and all(torch.equal(two[k], fallback[k]) for k in two)
