@@ -5,7 +5,8 @@ The Hessian H = (2/n) sum x x^T is accumulated (fp32 sums of bf16 products) duri
 distinct input tensor: linears fed the same tensor (q/k/v, gate/up, and in the all-experts statistics
 pass every expert's gate/up) share one. The solve is the paper's blocked form (block 128, lazy batch
 updates), with the inverse Hessian's upper Cholesky factor; problems with the same input width are solved
-together as one batched problem (the column loop is Python-bound for small matrices).
+together as one batched problem. On CPU the column loop inside a block runs in C++ (csrc/cpu/gptq_solve.cpp, rows in
+parallel), the eager torch loop being its reference (QUANTKIT_EAGER_SOLVE=1) and the path on other devices.
 
 Options (recipe `quantization.options.gptq`, all optional):
   actorder   "static" (default): solve in order of decreasing diag(H); groups stay contiguous in the original
