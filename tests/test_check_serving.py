@@ -259,3 +259,13 @@ def test_tied_deepseek_without_lm_head_is_refused(tiny_models, tmp_path):
     reasons = [p["reason"] for p in _check(out, "--gpu", "sm_90")["problems"] if p["tensor"] == "lm_head.weight"]
     assert reasons and "never ties lm_head" in reasons[0]
 
+
+
+def test_mla_on_the_cpu_build_warns_about_its_rope(tiny_models, tmp_path):
+    """vLLM 0.32.0's CPU build scores MLA's RoPE part differently from transformers (mla_rope_isolation.md): a
+    warning on the cpu target, none on a GPU target."""
+    out = tmp_path / "ds"
+    _quantize(tiny_models["deepseek_v3"], out, group=16)
+    cpu = [w["reason"] for w in _check(out, "--gpu", "cpu")["warnings"]]
+    gpu = [w["reason"] for w in _check(out, "--gpu", "sm_90")["warnings"]]
+    assert any("RoPE part of MLA attention" in r for r in cpu) and not any("RoPE part" in r for r in gpu)

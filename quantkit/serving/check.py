@@ -200,6 +200,11 @@ def _check(folder: Path, config: dict, target: ServingTarget) -> dict:
                     f"MLA latent size {size} (kv_lora_rank {latent} + qk_rope_head_dim {size - int(latent)}) is not one "
                     f"vLLM's MLA attention takes ({sizes}); convert with --kv-lora-rank "
                     f"{' or '.join(str(s - size + int(latent)) for s in vs.MLA_LATENT_SIZES if s > size - int(latent))}")
+    if latent and platform == "cpu":
+        warnings.append({"tensor": "model.layers.*.self_attn",
+                         "reason": "vLLM's CPU build computes the RoPE part of MLA attention differently from "
+                                   "transformers (any DeepSeek-V3 model, measured on 0.32.0: "
+                                   "benchmarks/results/mla_rope_isolation.md); expect other logits than transformers'"})
     archs = config.get("architectures") or []
     untied = [a for a in archs if a in vs.NEVER_TIED_ARCHITECTURES]
     if untied and config.get("tie_word_embeddings") and "lm_head.weight" not in index:
