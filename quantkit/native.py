@@ -19,6 +19,9 @@ import torch
 CSRC = Path(__file__).parent / "_csrc"
 # AVX2 + FMA + F16C: every x86 CPU since 2013.
 CPU_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+# For kernels that must round each fp32 product and quotient as torch's eager ops do (the calibration kernels):
+# no contraction into fused multiply-adds; vectorisable rounding and `#pragma omp simd`.
+EXACT_FP_CFLAGS = ("-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd")
 
 
 def cpu_has_avx2() -> bool:

@@ -50,7 +50,7 @@ from torch import nn
 
 from quantkit.errors import InputError
 from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
-from quantkit.quant.integer import group_qparams, round_to_dtype
+from quantkit.quant.integer import SCALE_DTYPE_CODES, group_qparams, round_to_dtype
 from quantkit.quant import QuantArgs, compute_qparams, dequantize_weight_args, quantize_weight
 
 ACTORDERS = ("static", "group", "none")
@@ -182,21 +182,17 @@ class SolveResult:
     zero_point: torch.Tensor  # fp32 [B, R, G]
 
 
-_SCALE_DTYPE_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
 def gptq_extension():
     """The C++ column loop (csrc/cpu/gptq_solve.cpp), or None (after one warning) where it cannot be built;
     QUANTKIT_EAGER_SOLVE=1 keeps the eager loop, its reference."""
     import os
 
-    from quantkit.native import CSRC, load_cpu_extension
+    from quantkit.native import CSRC, EXACT_FP_CFLAGS, load_cpu_extension
     from quantkit.progress import warn_once
 
     if os.environ.get("QUANTKIT_EAGER_SOLVE"):
         return None
-    module, why = load_cpu_extension(CSRC / "cpu" / "gptq_solve.cpp", ("-ffp-contract=off", "-fno-math-errno",
-                                                                       "-fopenmp-simd"))
+    module, why = load_cpu_extension(CSRC / "cpu" / "gptq_solve.cpp", EXACT_FP_CFLAGS)
     if module is None:
         warn_once(f"gptq: {why}; the eager column loop runs instead (slower, same result)")
     return module
@@ -287,7 +283,7 @@ def gptq_solve(
             for k in starts + [i2]:
                 if k > done:
                     ext.gptq_columns(w1, u1, scale_g, zp_g, grp1, err1, q_p, done - i1, k - i1, i1, int(args.qmin),
-                                     int(args.qmax), bool(sym), _SCALE_DTYPE_CODES[scale_dtype])
+                                     int(args.qmax), bool(sym), SCALE_DTYPE_CODES[scale_dtype])
                 for b, g in first_at.get(k, []) if k < i2 else []:
                     group_start(b, g, i1, i2, k - i1, w, w1, err1)
                 done = k

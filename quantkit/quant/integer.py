@@ -149,10 +149,8 @@ def round_to_dtype(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return x if dtype is None or dtype == torch.float32 else x.to(dtype).float()
 
 
-# Scale dtypes the fused search rounds to (its codes in csrc/cpu/qparam_search.cpp).
-_SEARCH_DTYPES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# The fused search's fp32 arithmetic must round each product as torch does: no contraction into FMA.
-_SEARCH_CFLAGS = ("-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd")
+# Scale dtypes the C++ calibration kernels round to (their codes in csrc/cpu/qparam_search.cpp, gptq_solve.cpp).
+SCALE_DTYPE_CODES = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def search_extension():
@@ -160,12 +158,12 @@ def search_extension():
     built; QUANTKIT_EAGER_SEARCH=1 keeps the eager reference."""
     import os
 
-    from quantkit.native import CSRC, load_cpu_extension
+    from quantkit.native import CSRC, EXACT_FP_CFLAGS, load_cpu_extension
     from quantkit.progress import warn_once
 
     if os.environ.get("QUANTKIT_EAGER_SEARCH"):
         return None
-    module, why = load_cpu_extension(CSRC / "cpu" / "qparam_search.cpp", _SEARCH_CFLAGS)
+    module, why = load_cpu_extension(CSRC / "cpu" / "qparam_search.cpp", EXACT_FP_CFLAGS)
     if module is None:
         warn_once(f"scale search: {why}; the eager torch search runs instead (slower, same result)")
     return module
@@ -174,7 +172,7 @@ def search_extension():
 def _fused_search(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None, grid: int, max_shrink: float,
                   importance: torch.Tensor | None):
     """group_qparams' mse search by the C++ kernel, or None where it does not apply (then the eager code runs)."""
-    if w.device.type != "cpu" or w.dim() != 2 or w.shape[1] == 0 or scale_dtype not in _SEARCH_DTYPES or grid < 1:
+    if w.device.type != "cpu" or w.dim() != 2 or w.shape[1] == 0 or scale_dtype not in SCALE_DTYPE_CODES or grid < 1:
         return None
     w = w.float().contiguous()
     if importance is None:
@@ -190,7 +188,7 @@ def _fused_search(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | N
     if ext is None:
         return None
     scale, zp = ext.shrink_search(w, imp, int(args.qmin), int(args.qmax), bool(args.symmetric),
-                                  _SEARCH_DTYPES[scale_dtype], int(grid), float(max_shrink))
+                                  SCALE_DTYPE_CODES[scale_dtype], int(grid), float(max_shrink))
     return scale, zp
 
 
