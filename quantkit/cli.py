@@ -438,7 +438,7 @@ def eval_cmd(
     min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Gate: fail if top-1 agreement (0..1) is below this."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     dtype: str = typer.Option("auto", "--compute-dtype", "--dtype", help="Compute dtype: auto (the checkpoint's, or fp32 where this machine runs it much faster), float32, bfloat16, float16."),
-    kernels: str = typer.Option("auto", "--kernels", help="auto (the fastest kernel for each format and device) or reference (the exact torch reference everywhere)."),
+    kernels: str = typer.Option("auto", "--kernels", help="auto (the fastest kernel for each format and device), reference (the exact torch reference everywhere) or cuda-emulated (a slow developer check: the CUDA kernels of csrc/ on the CPU emulator, behind the same dispatch as on a GPU)."),
     batch_size: int = typer.Option(4, "--batch-size", help="Blocks per forward pass."),
     seed: int = typer.Option(42, "--seed", help="Sampling seed of the token blocks."),
     moe: bool = typer.Option(False, "--moe", help="MoE routing analysis: load per expert, routing drift against the baseline, capacity-aware inference, bias balancing, expert offloading."),

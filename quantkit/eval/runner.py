@@ -41,7 +41,7 @@ class EvalOptions:
     min_top1: float | None = None
     cache_dir: Path | None = None
     speculative: SpecOptions = field(default_factory=SpecOptions)
-    kernels: str = "auto"  # auto | reference (runtime/dispatch.py)
+    kernels: str = "auto"  # auto | reference | cuda-emulated (runtime/dispatch.py)
     moe: bool = False  # routing analysis (quantkit/eval/moe.py)
     moe_options: object | None = None  # MoEEvalOptions; None = the defaults
     engine: str = "quantkit"  # quantkit (its own runtime) | vllm (quantkit/eval/vllm_engine.py)
@@ -168,14 +168,17 @@ def validate_options(opts: EvalOptions) -> None:
     if opts.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise InputError(f"unknown --compute-dtype {opts.dtype!r}: use auto, float32, bfloat16 or float16")
     if opts.kernels not in KERNEL_MODES:
-        raise InputError(f"unknown --kernels {opts.kernels!r}: use {' or '.join(KERNEL_MODES)}")
+        raise InputError(f"unknown --kernels {opts.kernels!r}: use {', '.join(KERNEL_MODES[:-1])} or {KERNEL_MODES[-1]}")
 
 
-def compute_for(path: Path, requested: str, device: torch.device) -> ComputeChoice:
+def compute_for(path: Path, requested: str, device: torch.device, kernels: str = "auto") -> ComputeChoice:
     """The dtype a model is evaluated in: `requested`, or under auto the checkpoint's own dtype unless this
     machine multiplies a narrower one much faster in fp32 (bf16 on AVX2-only CPUs). An fp32 checkpoint is
-    never narrowed by auto: evaluation measures the model as it is."""
+    never narrowed by auto: evaluation measures the model as it is. The emulated CUDA device computes as a GPU
+    would: in the checkpoint's dtype."""
     model_dtype = resolve_dtype(path, None)
+    if kernels == "cuda-emulated":
+        device = torch.device("cuda")  # what the choice is made for; the tensors stay on the CPU
     return choose_compute_dtype(requested, model_dtype, device, matmul_shapes(read_config(path)), narrower=False)
 
 
@@ -237,7 +240,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
     started = time.perf_counter()
 
     with progress_bar() as progress:
-        base_compute = compute_for(base_path, opts.dtype, device)
+        base_compute = compute_for(base_path, opts.dtype, device, opts.kernels)
         announce(base_compute.describe())
         dtype = base_compute.dtype
         cache = BaselineCache(base_path, data.fingerprint, dtype, opts.cache_dir)
@@ -267,7 +270,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
 
         results, token_kl, outputs = [], {}, []
         for ckpt in checkpoints:
-            compute = compute_for(ckpt, opts.dtype, device)
+            compute = compute_for(ckpt, opts.dtype, device, opts.kernels)
             rt = load_model(ckpt, compute.dtype, device, kernels=opts.kernels)
             if rt.vocab_size != cache.read(0).shape[-1]:
                 raise InputError(f"{ckpt} produces {rt.vocab_size} logits per token, the baseline {cache.read(0).shape[-1]}")
@@ -357,7 +360,7 @@ def _speculative_grid(checkpoints, tokenizer, prompts, spec: SpecOptions, opts: 
     from quantkit.runtime.speculative import ModelDraft
 
     eos = tokenizer.eos_token_id
-    models = {str(c): load_model(c, compute_for(c, opts.dtype, device).dtype, device, kernels=opts.kernels)
+    models = {str(c): load_model(c, compute_for(c, opts.dtype, device, opts.kernels).dtype, device, kernels=opts.kernels)
               for c in checkpoints}
     rows, outputs = [], []
     for target, rt in models.items():

@@ -5,7 +5,9 @@ Kernels (`quantkit.runtime.kernels.base.Kernel`) register by name per device typ
 `supports` accepts the format and whose `prepare` succeeds repacks the layer and serves it from then on.
 A linear no kernel takes runs the torch reference (`runtime/reference.py`, also the oracle the kernels are
 tested against), and the load says so in one warning line. `kernels="reference"`, or QUANTKIT_REFERENCE=1 in
-the environment when the model is loaded, sends every linear to the reference.
+the environment when the model is loaded, sends every linear to the reference. `kernels="cuda-emulated"` (a
+developer check, slow) offers CPU-resident linears to the CUDA kernels running on the CPU emulator instead of the
+CPU kernels (`runtime/cuda/emulator.py`), exactly as a GPU would be served.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from quantkit.progress import warn_once
 from quantkit.runtime import reference
 from quantkit.runtime.kernels.base import NotSupported
 
-KERNEL_MODES = ("auto", "reference")
+KERNEL_MODES = ("auto", "reference", "cuda-emulated")
+EMULATED = "cuda-emulated"  # the kernel-list key of the emulated CUDA kernels (their tensors are on the CPU)
 _KERNELS: dict[str, dict[str, tuple[int, object]]] = defaultdict(dict)  # device type -> name -> (priority, kernel)
 _BUILTIN = False
 
@@ -46,8 +49,16 @@ def kernels_for(device_type: str) -> list:
 
 def check_mode(kernels: str) -> str:
     if kernels not in KERNEL_MODES:
-        raise InputError(f"unknown kernels {kernels!r}: use {' or '.join(KERNEL_MODES)}")
-    return "reference" if os.environ.get("QUANTKIT_REFERENCE") else kernels
+        raise InputError(f"unknown kernels {kernels!r}: use {', '.join(KERNEL_MODES[:-1])} or {KERNEL_MODES[-1]}")
+    if os.environ.get("QUANTKIT_REFERENCE"):
+        return "reference"
+    if kernels == EMULATED:
+        from quantkit.runtime.cuda.emulator import emulator
+
+        ok, line = emulator().ready()
+        if not ok:
+            raise InputError(line.replace("; using the reference path", ""))
+    return kernels
 
 
 def describe(fmt) -> str:
@@ -63,18 +74,21 @@ def prepare_layer(layer, mode: str = "auto") -> tuple[str, str | None]:
         return "reference", None
     ref = layer.weight_scale
     device, shape = ref.device, (layer.out_features, layer.in_features)
+    if mode == EMULATED and device.type != "cpu":
+        raise InputError(f"--kernels {EMULATED} runs on CPU tensors; the model is on {device}")
     refused = []
-    for kernel in kernels_for(device.type):
+    for kernel in kernels_for(EMULATED if mode == EMULATED else device.type):
         if not kernel.supports(layer.fmt, device, shape, layer.compute_dtype):
             continue
         try:
             prepared = kernel.prepare(layer)
-        except (NotSupported, RuntimeError) as exc:  # or a torch op refusing this layer: the next kernel may take it
+        except (NotSupported, RuntimeError) as exc:  # a torch op refusing this layer, a CUDA source that does not
+            # compile: the next kernel may take it
             refused.append(f"{kernel.name}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
             continue
         layer.attach(kernel, prepared)
         return kernel.name, None
-    return "reference", "; ".join(refused) or f"no {device.type} kernel"
+    return "reference", "; ".join(refused) or f"no {'emulated CUDA' if mode == EMULATED else device.type} kernel"
 
 
 def prepare_model(model: torch.nn.Module, mode: str = "auto") -> dict[str, dict[str, int]]:

@@ -27,6 +27,8 @@ from quantkit.models.loader import ModelHandle, _get, _set
 from quantkit.models.safetensors_index import SafetensorsIndex
 from quantkit.models.source import ResolvedModel
 from quantkit.runtime import dispatch
+from quantkit.runtime.cuda.ops import install as install_cuda_ops
+from quantkit.runtime.cuda.ops import launcher_for
 from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS, QuantConfig, parse_quantization_config
 from quantkit.runtime.linear import DenseLinear, QuantLinear, dense_parameter
 from quantkit.runtime.moe import install_runtime_moe
@@ -174,7 +176,9 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
     `runtime_moe` False keeps transformers' own sparse-MoE blocks (no router hooks; an oracle for tests).
 
     kernels: "auto" serves each quantised linear with the first kernel for its format and device (the torch
-    reference where none does, warned once); "reference" runs everything through the torch reference."""
+    reference where none does, warned once); "reference" runs everything through the torch reference;
+    "cuda-emulated" serves the linears, MoE experts, MLA decode and tree masks with the CUDA kernels on the CPU
+    emulator (a developer check, slow)."""
     mode = dispatch.check_mode(kernels)
     path = check_model_folder(Path(path))
     config, qc_raw, model = _skeleton(path, trust_remote_code)
@@ -249,6 +253,9 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
     model.eval()
     model.config.use_cache = True
     kernel_counts = dispatch.prepare_model(model, mode)
+    launcher = launcher_for(device, mode)
+    if launcher is not None:  # MoE grouped GEMMs, absorbed MLA decode, tree masks (reported with the linears)
+        kernel_counts.update(install_cuda_ops(model, launcher, device, dtype))
     return RuntimeModel(model, path, config, dtype, device, quant, dict(formats), kernel_counts)
 
 

@@ -113,6 +113,9 @@ class RuntimeMoE(nn.Module):
         # OrderedDict, not dict: RemovableHandle keeps a weak reference to it; order = registration order.
         self._observers: OrderedDict[int, RouterObserver] = OrderedDict()
         self._overrides: OrderedDict[int, SelectionOverride] = OrderedDict()
+        # Set by runtime/cuda/ops.py where one CUDA kernel serves every expert: grouped GEMMs, one launch per
+        # projection for the whole layer.
+        self.grouped = None
 
     def add_router_observer(self, fn: RouterObserver) -> RemovableHandle:
         handle = RemovableHandle(self._observers)
@@ -167,6 +170,9 @@ class RuntimeMoE(nn.Module):
         n, k = selected.shape
         num_experts = self.spec.num_experts
         flat = selected.reshape(-1)
+        if self.grouped is not None and x.dtype in (torch.bfloat16, torch.float16) and bool(
+                ((flat >= 0) & (flat < num_experts)).all()):  # dropped slots (capacity limits): the loop below
+            return self.grouped(x, selected, weights)
         # Dropped slots (index outside [0, E)) sort into an extra bucket that is never run.
         bucket = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
         # Stable: within an expert, tokens stay in order (the same row order as UnfusedExperts).

@@ -96,6 +96,28 @@ class _LayerKV(CacheLayerMixin):
         self.length = start + len(index)
 
 
+class _JointKV(_LayerKV):
+    """An MLA layer's latent (as keys) and rope part (as values) of each slot in one row [B, 1, capacity, r + rope],
+    so an absorbed decode kernel reads the layer's whole cache as one tensor; keys and values are views of it."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.split = key_states.shape[-1]
+        size = max(self.capacity, key_states.shape[-2])
+        self.rows = key_states.new_empty(*key_states.shape[:-2], size, self.split + value_states.shape[-1])
+        self._views()
+        self.is_initialized = True
+
+    def _views(self) -> None:
+        self.keys, self.values = self.rows[..., : self.split], self.rows[..., self.split :]
+
+    def _grow(self, needed: int) -> None:
+        rows = self.rows.new_empty(*self.rows.shape[:-2], max(needed, 2 * self.rows.shape[-2]), self.rows.shape[-1])
+        rows[..., : self.length, :] = self.rows[..., : self.length, :]
+        self.rows = rows
+        self._views()
+
+
 class KVCache(Cache):
     """Keys and values of every layer for a batch of rows that share slot indices; `crop(n)` rolls back.
 
@@ -111,6 +133,7 @@ class KVCache(Cache):
         self._positions: torch.Tensor | None = None  # [B, slots] position of each slot, for window masks
         self._layout: _MaskLayout | None = None
         self._config = None
+        self.joint: set[int] = set()  # layers that keep keys and values in one row (`_JointKV`: absorbed MLA)
 
     @property
     def length(self) -> int:
@@ -119,7 +142,7 @@ class KVCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
-            self.layers.append(_LayerKV(self._capacity))
+            self.layers.append((_JointKV if len(self.layers) in self.joint else _LayerKV)(self._capacity))
         return self.layers[layer_idx].update(key_states, value_states)
 
     def crop(self, n: int) -> None:

@@ -91,7 +91,7 @@ def test_json_report_keys_and_kl_against_plain_transformers(ckpts, tiny_models):
 
 
 def test_kernels_option(ckpts, tmp_path):
-    _one_line(_eval(ckpts["w4"], *DATA, "--kernels", "bogus"), 2, "unknown --kernels 'bogus': use auto or reference")
+    _one_line(_eval(ckpts["w4"], *DATA, "--kernels", "bogus"), 2, "unknown --kernels 'bogus': use auto, reference or cuda-emulated")
     auto = _json(_eval(ckpts["w4"], "--json", *DATA))["results"][0]
     ref = _json(_eval(ckpts["w4"], "--json", *DATA, "--kernels", "reference"))["results"][0]
     assert ref["kernels"] == {"w4a16": {"reference": 14}}

@@ -257,7 +257,7 @@ def test_quantkit_reference_env_forces_the_reference(scheme_ckpts, monkeypatch):
 def test_unknown_kernels_value_is_refused():
     from quantkit.errors import InputError
 
-    with pytest.raises(InputError, match="unknown kernels 'fast': use auto or reference"):
+    with pytest.raises(InputError, match="unknown kernels 'fast': use auto, reference or cuda-emulated"):
         load_model("/nonexistent", kernels="fast")
 
 

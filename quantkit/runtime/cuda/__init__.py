@@ -14,13 +14,14 @@ from quantkit.runtime.cuda.runtime import availability, notice
 def register() -> bool:
     """Register every CUDA linear kernel for device type "cuda"; False (and one line) when unavailable."""
     from quantkit.runtime import dispatch
-    from quantkit.runtime.cuda.kernels import KERNELS
+    from quantkit.runtime.cuda.kernels import linear_kernels
+    from quantkit.runtime.cuda.runtime import DRIVER
 
     ok, line = availability()
     if not ok:
         notice(line)
         return False
-    for kernel in KERNELS.values():
+    for kernel in linear_kernels(DRIVER):
         dispatch.register_kernel(kernel, "cuda", priority=10)
     return True
 

@@ -27,6 +27,10 @@ class CudaUnavailable(RuntimeError):
     """The CUDA path cannot run here; the message is the one line to show."""
 
 
+class LaunchError(RuntimeError):
+    """A kernel launch failed; the message names the entry and the driver's error."""
+
+
 def notice(line: str) -> None:
     """Print a line once per process (fallbacks are reported, never repeated per call)."""
     if line not in _NOTICES:
@@ -179,4 +183,31 @@ def launch(entry: str, grid: tuple[int, int, int], block: tuple[int, int, int], 
     stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
     (err,) = driver.cuLaunchKernel(f, *grid, *block, shared_bytes, stream, ctypes.addressof(params), 0)
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"launching {entry} grid={grid} block={block} failed: {err.name}")
+        raise LaunchError(f"launching {entry} grid={grid} block={block} failed: {err.name}")
+
+
+class DriverLauncher:
+    """Kernels on a real GPU: NVRTC-compiled csrc/cuda, launched through the driver on torch's stream.
+
+    The launcher protocol (shared with `emulator.EmulatorLauncher`): `name` (what kernel names start with),
+    `device_type` (where the tensors live), `ready()` -> (ok, one line), `load(entry)` (compile and load the
+    entry's source, raising CudaUnavailable with one line), `launch(entry, grid, block, *args)`,
+    `multiprocessors(device)` (how many blocks fill the device once)."""
+
+    name = "cuda"
+    device_type = "cuda"
+
+    def ready(self) -> tuple[bool, str]:
+        return availability()
+
+    def load(self, entry: str) -> None:
+        function(entry)
+
+    def launch(self, entry: str, grid, block, *args) -> None:
+        launch(entry, grid, block, *args)
+
+    def multiprocessors(self, device: torch.device) -> int:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+DRIVER = DriverLauncher()

@@ -7,7 +7,8 @@ int8 weight-only matmul for per-channel W8A16 (bf16/fp16 activations), torch's i
 and the C++ dequantising kernel (`cpp.DequantKernel`) for everything else: fp32 activations, group-wise
 W8A16, shapes torch refuses, FP8.
 CUDA: csrc/ through NVRTC (`quantkit.runtime.cuda`), offered only where a GPU, its driver and the pinned CUDA
-Python set are present (else one line says why and the reference serves CUDA tensors).
+Python set are present (else one line says why and the reference serves CUDA tensors). The same kernel classes
+over the CPU emulator serve `kernels="cuda-emulated"` (key "cuda-emulated").
 """
 
 
@@ -24,6 +25,11 @@ def register_builtin() -> None:
 
     import torch
 
+    from quantkit.runtime.cuda.emulator import emulator
+    from quantkit.runtime.cuda.kernels import linear_kernels
+
+    for kernel in linear_kernels(emulator()):
+        register_kernel(kernel, "cuda-emulated", priority=10)
     if torch.cuda.is_available():
         from quantkit.runtime.cuda import register
 

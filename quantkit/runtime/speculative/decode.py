@@ -14,6 +14,7 @@ import torch
 
 from quantkit.runtime.speculative.acceptance import accept_path
 from quantkit.runtime.speculative.trees import AcceptanceRates, TreeSpec
+from quantkit.runtime.cuda.ops import tree_mask as cuda_tree_mask
 from quantkit.runtime.step import KVCache, step, tree_mask, tree_positions
 
 
@@ -40,10 +41,14 @@ class SpecResult:
     wall_seconds: float = 0.0
 
 
-def _device(model) -> torch.device:
+def _net(model) -> torch.nn.Module:
     from quantkit.runtime.model import RuntimeModel
 
-    return (model.model if isinstance(model, RuntimeModel) else model).device
+    return model.model if isinstance(model, RuntimeModel) else model
+
+
+def _device(model) -> torch.device:
+    return _net(model).device
 
 
 @torch.inference_mode()
@@ -53,6 +58,8 @@ def speculative_generate(target, draft, prompt: list[int], cfg: SpecConfig,
     if not prompt:
         raise ValueError("the prompt needs at least one token")
     device = _device(target)
+    net = _net(target)
+    launcher = getattr(net, "quantkit_launcher", None)  # CUDA ops installed at load: the tree mask kernel
     generator = torch.Generator().manual_seed(cfg.seed)
     rates = rates if rates is not None else AcceptanceRates()
     cache = KVCache()
@@ -71,7 +78,8 @@ def speculative_generate(target, draft, prompt: list[int], cfg: SpecConfig,
         tokens = torch.tensor([[ctx[-1], *tree.tokens]], device=device)
         base = cache.length
         positions = tree_positions(parents, len(ctx) - 1, device=device)
-        mask = None if tree.is_chain() else tree_mask(parents, base, device=device)
+        mask = None if tree.is_chain() else (cuda_tree_mask(net, parents, base, device)
+                                             if launcher else tree_mask(parents, base, device=device))
         logits = step(target, tokens, positions, cache, mask)[0]
         path, token = accept_path(tree.parents, tree.tokens, tree.proposals, logits, cfg.temperature, generator)
         if tree.is_chain():

@@ -136,21 +136,64 @@ def test_register_without_cuda_leaves_dispatch_alone(monkeypatch, capsys):
     assert len(err) == 1 and err[0].startswith("quantkit: CUDA kernels off")
 
 
-def test_dispatch_adapter_on_cpu_is_the_reference():
+def test_gpu_kernels_refuse_cpu_tensors_and_formats_they_do_not_cover():
+    """The driver's kernels take the protocol's four arguments and only CUDA tensors; format checks as listed."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    by_op = {k.op: k for k in K.linear_kernels(runtime.DRIVER)}
     layer = w4a16_layer()
-    x = torch.randn(3, 128).to(torch.bfloat16)
-    out = K.dispatch_fn(K.KERNELS["w4a16"])(x, layer)
-    assert torch.equal(out, reference.linear(x, layer))
+    assert not by_op["w4a16"].supports(layer.fmt, cpu, (64, 128), torch.bfloat16)  # right format, CPU tensor
+    assert by_op["w4a16"].covers(layer.fmt, (64, 128))
+    assert not by_op["w8a16"].covers(layer.fmt, (64, 128))  # wrong bit width
+    assert not by_op["fp8-block"].covers(layer.fmt, (64, 128))
+    assert not by_op["w4a16"].covers(LinearFormat("pack-quantized", QuantArgs(group_size=30)), (64, 120))  # straddles
+    assert not by_op["w4a16"].supports(layer.fmt, cuda, (64, 128), torch.float32)  # fp32 activations: no kernel
 
 
-def test_supports_matches_formats_only():
-    cpu = torch.device("cpu")
-    layer = w4a16_layer()
-    assert not K.KERNELS["w4a16"].supports(layer.fmt, cpu, (64, 128))  # right format, no GPU
-    assert not K.KERNELS["w8a16"].supports(layer.fmt, torch.device("cuda"), (64, 128))  # wrong bit width
-    assert not K.KERNELS["fp8"].supports(layer.fmt, torch.device("cuda"), (64, 128))
-    odd = LinearFormat("pack-quantized", QuantArgs(group_size=30))
-    assert not K.KERNELS["w4a16"].supports(odd, torch.device("cuda"), (64, 120))  # group not a word multiple
+class _Broken:
+    """An emulated launcher whose compile or launch fails, as a bad toolchain or driver would."""
+
+    def __init__(self, fail: str):
+        from quantkit.runtime.cuda.emulator import EmulatorLauncher
+
+        self.inner, self.fail = EmulatorLauncher(), fail
+        self.name, self.device_type = "cuda-broken", "cpu"
+
+    def ready(self):
+        return True, "sm_90a"
+
+    def load(self, entry):
+        if self.fail == "compile":
+            raise runtime.CudaUnavailable(f"CUDA kernel {entry} did not compile: wna16.cu(12): error: boom")
+        self.inner.load(entry)
+
+    def launch(self, entry, *args):
+        if self.fail == "launch":
+            raise runtime.LaunchError(f"launching {entry} grid=(1, 1, 1) block=(128, 1, 1) failed: CUDA_ERROR_LAUNCH_FAILED")
+        self.inner.launch(entry, *args)
+
+
+@pytest.mark.parametrize("fail", ["compile", "launch"])
+def test_a_kernel_that_fails_names_itself_in_one_line_and_the_reference_runs(monkeypatch, capsys, fail):
+    monkeypatch.setattr(runtime, "_NOTICES", set())
+    broken = _Broken(fail)
+    monkeypatch.setattr(dispatch, "_BUILTIN", True)
+    monkeypatch.setattr(dispatch, "_KERNELS", {"cuda-emulated": {}})
+    for k in K.linear_kernels(broken):
+        dispatch.register_kernel(k, "cuda-emulated")
+    layer, ref_layer = w4a16_layer(), w4a16_layer()
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    name, why = dispatch.prepare_layer(layer, "cuda-emulated")
+    if fail == "compile":
+        assert name == "reference" and "cuda-broken-w4a16" in why and "did not compile" in why and "\n" not in why
+        assert torch.equal(dispatch.linear(x, layer), reference.linear(x, ref_layer))
+        return
+    assert name == "cuda-broken-w4a16"
+    out = dispatch.linear(x, layer)  # the launch fails: this layer (and every other of the kernel) -> reference
+    assert torch.equal(out, reference.linear(x, ref_layer))
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "cuda-broken-w4a16" in ln]
+    assert len(err) == 1 and "CUDA_ERROR_LAUNCH_FAILED" in err[0] and "reference" in err[0]
+    assert torch.equal(dispatch.linear(x, layer), out)  # no second line, no second failed launch
+    assert not [ln for ln in capsys.readouterr().err.splitlines() if ln]
 
 
 def test_tree_mask_reference_on_a_hand_checked_tree():
