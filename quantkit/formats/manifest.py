@@ -95,6 +95,11 @@ def write_manifest(folder: Path, recipe, summary: dict, handle) -> dict:
         "calibration": summary["calibration"],
         "versions": package_versions(),
         "device": summary["device"],
+        # The GPU's name and the peak bytes torch allocated on it (null on CPU, where peak_rss_bytes covers it),
+        # and where the calibration activations lived (device, host or disk).
+        "device_name": summary.get("device_name"),
+        "device_peak_bytes": summary.get("device_peak_bytes"),
+        "activations": summary.get("activations"),
         "torch_threads": torch.get_num_threads(),
         "compute": summary.get("compute"),  # the matmul dtype and the speeds it was chosen from
         "wall_seconds": summary["wall_seconds"],

@@ -31,6 +31,12 @@ class QuantizedWeight:
     method: str = ""
 
 
+def _sync_device() -> None:
+    """Wait for queued GPU work (nothing to do, and CUDA never initialised by this, in a CPU run)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @dataclass
 class LayerContext:
     index: int
@@ -60,11 +66,14 @@ class LayerContext:
     @contextmanager
     def phase(self, name: str):
         """Time a phase of this layer's work (statistics, factorisation, solve, scale_search, error_report, ...);
-        the seconds add up per name and go to the layer's record in the manifest and --json."""
+        the seconds add up per name and go to the layer's record in the manifest and --json. Where CUDA is in
+        use the device is synchronised at both ends, so a phase is charged its own GPU work, not the queue's."""
+        _sync_device()
         began = time.perf_counter()
         try:
             yield
         finally:
+            _sync_device()
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - began
 
     def scheme_for(self, name: str) -> Scheme:

@@ -198,6 +198,12 @@ def gptq_extension():
     return module
 
 
+def column_loop_extension(device: torch.device):
+    """The compiled column loop for a solve on `device`: only CPU tensors may reach the C++ extension (it reads
+    their memory directly); any other device (CUDA) runs the eager torch loop there, in that device's fp32."""
+    return gptq_extension() if torch.device(device).type == "cpu" else None
+
+
 def gptq_solve(
     weight: torch.Tensor,
     u: torch.Tensor,
@@ -269,7 +275,7 @@ def gptq_solve(
             values[:, n_in:] = w[b][:, outside] - err1[b][:, :i] @ u[b][i1 : i1 + i][:, outside]
         set_group(b, g, values)
 
-    ext = gptq_extension() if dev.type == "cpu" and n else None
+    ext = column_loop_extension(dev) if n else None
     if ext is not None:
         for i1 in range(0, n, block_size):
             i2 = min(i1 + block_size, n)
@@ -352,17 +358,26 @@ def relative_output_errors(weight: torch.Tensor, approxs: list[torch.Tensor], h:
     Computed `rows` weight rows at a time, so the temporaries stay a few MB whatever the layer's size.
     The product with H runs in `matmul_dtype` (the run's: bf16 where it is the faster, which moves each error by
     ~2^-8 relative; it reports errors and compares GPTQ with RTN, neither of which needs more)."""
+    quad = output_error_quads(weight, approxs, h, perm, rows, matmul_dtype).tolist()
+    den = quad[0]
+    return [math.sqrt(max(v, 0.0) / den) if den > 0 else 0.0 for v in quad[1:]]
+
+
+def output_error_quads(weight: torch.Tensor, approxs: list[torch.Tensor], h: torch.Tensor,
+                       perm: torch.Tensor | None = None, rows: int = 256,
+                       matmul_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """float64 [1 + len(approxs)] on the weights' device: tr(W H W^T), then tr(D H D^T) for each D = W - approx
+    (see relative_output_errors)."""
     w = weight.float()
     hm = h.to(matmul_dtype)
-    quad = torch.zeros(len(approxs) + 1, dtype=torch.float64)
+    quad = torch.zeros(len(approxs) + 1, dtype=torch.float64, device=w.device)  # on w's device: a GPU run too
     for r0 in range(0, w.shape[0], rows):
         part = w[r0 : r0 + rows]
         stacked = torch.stack([part] + [part - a[r0 : r0 + rows].float() for a in approxs])
         if perm is not None:
             stacked = stacked[:, :, perm]
         quad += (((stacked.to(matmul_dtype) @ hm).float()) * stacked).flatten(1).sum(-1).double()
-    den = float(quad[0])
-    return [math.sqrt(max(float(v), 0.0) / den) if den > 0 else 0.0 for v in quad[1:]]
+    return quad
 
 
 def relative_output_error(weight: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> float:

@@ -23,7 +23,7 @@ def count_selection(selected: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     (dropped) are not counted. co[i, j] = tokens routed to both i and j (the diagonal = counts)."""
     sel = selected.reshape(-1, selected.shape[-1]).long()
     valid = (sel >= 0) & (sel < num_experts)
-    onehot = torch.zeros(sel.shape[0], num_experts + 1, dtype=torch.float64)
+    onehot = torch.zeros(sel.shape[0], num_experts + 1, dtype=torch.float64, device=sel.device)
     onehot.scatter_(1, torch.where(valid, sel, num_experts), 1.0)
     onehot = onehot[:, :num_experts]
     return onehot.sum(0).round().long(), (onehot.T @ onehot).round().long()
@@ -44,8 +44,8 @@ class LayerCounts:
 
     def add(self, selected: torch.Tensor) -> None:
         c, co = count_selection(selected, self.num_experts)
-        self.counts += c
-        self.coactivation += co
+        self.counts += c.to(self.counts.device)  # the counts stay on the CPU whatever device routed
+        self.coactivation += co.to(self.coactivation.device)
         self.tokens += selected.reshape(-1, selected.shape[-1]).shape[0]
 
     def tensors(self) -> dict[str, torch.Tensor]:

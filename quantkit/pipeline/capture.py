@@ -36,9 +36,11 @@ class _PassThrough(nn.Module):
 
 def capture_layer_inputs(
     handle: ModelHandle, input_ids: torch.Tensor, batch_size: int, device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, hidden_device: str | torch.device | None = None,
 ) -> tuple[list[torch.Tensor], list[list[tuple]]]:
-    """Returns (hidden states entering layer 0, one per batch; per batch, per layer: (args, kwargs))."""
+    """Returns (hidden states entering layer 0, one per batch; per batch, per layer: (args, kwargs)).
+    `hidden_device`: where the hidden states are kept (default `device`); a GPU run whose activations do not
+    fit on the device moves each batch to the host as soon as it is captured."""
     layers = handle.layers()
     originals = list(layers)
     emb_path = handle.embedding_path()
@@ -60,7 +62,8 @@ def capture_layer_inputs(
                     base(input_ids=ids, use_cache=False)
             except _Stop:
                 pass
-            hidden.append(record[0][1].detach().to(dtype))
+            h = record[0][1].detach().to(dtype)
+            hidden.append(h if hidden_device is None else h.to(hidden_device))
             per_batch.append([(args, kwargs) for _, _, args, kwargs in sorted(record, key=lambda r: r[0])])
     finally:
         for i, layer in enumerate(originals):

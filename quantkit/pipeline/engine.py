@@ -41,7 +41,7 @@ from quantkit.pipeline.activations import ActivationStore
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
 from quantkit.distributed import SINGLE, Ranks
 from quantkit.pipeline.journal import Journal
-from quantkit.pipeline.memory import peak_rss_bytes
+from quantkit.pipeline.memory import DevicePeak, activation_placement, layer_working_bytes, peak_rss_bytes
 from quantkit.compute import choose_compute_dtype, matmul_shapes
 from quantkit.progress import announce, progress_bar
 from quantkit.quant.schemes import Scheme, block_fallback, get_scheme
@@ -152,13 +152,22 @@ def _protected_ignore(handle: ModelHandle, plans: list[LayerPlan], user_ignore: 
 
 
 def _resolve_device(device: str) -> str:
+    """auto -> cuda where torch sees a GPU, else cpu. An unknown device, or cuda where there is none, is an
+    InputError: the CLI prints one line and exits 2 before any model is opened."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda given but no CUDA device is available")
     if device not in ("cpu", "cuda"):
         raise InputError(f"unknown device {device!r}: use auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        why = "this torch build has no CUDA support" if torch.version.cuda is None else "torch sees no CUDA device"
+        raise InputError(f"--device cuda given but no CUDA device is available ({why}); use --device cpu")
     return device
+
+
+def device_name(device: str) -> str | None:
+    """The GPU's name for the manifest (None on CPU)."""
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
 
 
 def _run_key(recipe: Recipe, calib: CalibrationSet, handle: ModelHandle) -> str:
@@ -760,6 +769,7 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
     t_start = time.time()
     return_large_frees_to_os()
     output, offload_dir, device = options.output, options.offload_dir, options.device
+    device_peak = DevicePeak(device)  # reset here: the manifest's device peak is this run's
     q = recipe.quantization
     scheme = get_scheme(q.scheme, q.group_size)
     methods = build_methods(q.method, scheme, q.options)
@@ -820,7 +830,7 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
     run = LayerRun(handle, plans, methods, scheme, n_batches, device, None, journal, partial, partial / ".state",
                    Path(offload_dir) if offload_dir else None, weight_dtype,
                    torch.float32 if autocast else compute.dtype, autocast, setup.error_batches, ranks,
-                   schedule=recipe.calibration.schedule)
+                   schedule=recipe.calibration.schedule, device_peak=device_peak)
     if ranks.writer:
         if fresh:
             run.journal = Journal(run_key, compute=compute.to_dict())
@@ -866,10 +876,14 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
         "scheme": scheme.name,
         "group_size": scheme.weights.group_size if scheme.weights.strategy == "group" else -1,
         "device": device,
+        "device_name": device_name(device),
         "compute_dtype": compute.name + (" (bf16 autocast)" if autocast else ""),
         "compute": compute.to_dict(),
         "wall_seconds": round(wall, 3),
         "peak_rss_bytes": peak_rss_bytes(),
+        # torch.cuda.max_memory_allocated over the run on a GPU; null on CPU (peak_rss_bytes is the figure there).
+        "device_peak_bytes": device_peak.run(),
+        "activations": run.activations,  # where the calibration activations lived: device, host or disk
         "original_bytes": handle.index.total_bytes(),
         "quantized_linears": sum(len(p.targets) for p in plans),
         "calibration": calib.describe(),
@@ -971,6 +985,24 @@ class LayerRun:
     error_batches: int
     ranks: Ranks = SINGLE
     schedule: str = "auto"  # recipe calibration.schedule: auto, one-pass or two-pass
+    device_peak: DevicePeak | None = None  # per-layer and run peak of device memory (GPU runs)
+    activations: str = "device"  # where the activations live (run_activation_placement; disk with a spill folder)
+
+
+def run_activation_placement(handle: ModelHandle, plans: list[LayerPlan], device: str, compute_dtype: torch.dtype,
+                             tokens: int) -> str:
+    """`activation_placement` for a run: one generation of `tokens` hidden states in the compute dtype against
+    the device memory free now, beside the largest layer's working set (device on CPU, without asking)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "device"
+    config = handle.config
+    hidden = getattr(config, "hidden_size", None) or config.get_text_config().hidden_size
+    element = torch.empty((), dtype=compute_dtype).element_size()
+    working = max((layer_working_bytes([(t.out_features, t.in_features) for t in p.targets], element)
+                   for p in plans), default=0)
+    return activation_placement(dev, tokens * hidden * element, working, _free_memory(dev),
+                                os.environ.get("QUANTKIT_DEVICE_ACTIVATIONS") or None)
 
 
 def _run_layers(run: LayerRun, calib: CalibrationSet, batch_size: int, start: int) -> None:
@@ -993,14 +1025,23 @@ def _run_layers(run: LayerRun, calib: CalibrationSet, batch_size: int, start: in
         if run.spill is not None:
             spill = run.spill / "a" if not ranks.distributed else run.spill / f"a-rank{ranks.rank}"
         rows = slice(owned[0] * batch_size, (owned[-1] + 1) * batch_size)
-        hidden, calls = capture_layer_inputs(handle, calib.input_ids[rows], batch_size, run.device, run.compute_dtype)
+        ids = calib.input_ids[rows]
+        # On a GPU the activations stay on the device while they fit beside a layer, else in host memory
+        # (each batch moved over when a layer runs it); a spill folder keeps them on disk. Either way a batch
+        # leaves the device as soon as it is captured, so the capture never holds a whole generation there.
+        host = spill is None and run_activation_placement(handle, run.plans, run.device, run.compute_dtype,
+                                                          ids.numel()) == "host"
+        off_device = (host or spill is not None) and torch.device(run.device).type != "cpu"
+        hidden, calls = capture_layer_inputs(handle, ids, batch_size, run.device, run.compute_dtype,
+                                             hidden_device="cpu" if off_device else None)
         calls = dict(zip(owned, calls))
         if start == 0:
-            acts = ActivationStore(spill)
+            acts = ActivationStore(spill, run.device, host)
             for j, h in zip(owned, hidden):
                 acts[j] = h
         else:
-            acts = ActivationStore.load_from(run.state_dir / f"gen-{start:05d}", owned, spill)
+            acts = ActivationStore.load_from(run.state_dir / f"gen-{start:05d}", owned, spill, run.device, host)
+        run.activations = acts.placement
         del hidden
         release_freed_memory()
         # Everything alive now (the libraries, the skeleton) outlives the layer loop: keep it out of the
@@ -1091,6 +1132,9 @@ def _layer_loop(run: LayerRun, progress, batches: LayerBatches, start: int) -> N
         if journal is not None:
             record = {"layer": i, "rel_error": rel, "seconds": round(time.time() - t0, 3), "schedule": ctx.schedule,
                       "phases": layer_phases(ctx.phases), "linear_errors": ctx.linear_errors}
+            layer_peak = run.device_peak.layer() if run.device_peak is not None else None
+            if layer_peak is not None:  # GPU runs: the layer's peak device memory (the first includes the capture)
+                record["device_peak_bytes"] = layer_peak
             if ranks.distributed:
                 record["bytes_moved"] = ranks.bytes_moved - moved0
             journal.layer_records.append(record)

@@ -50,3 +50,78 @@ class HighWaterMark:
 
     def peak(self) -> int:
         return peak_rss_bytes()
+
+
+class DevicePeak:
+    """Peak memory torch allocated on a CUDA device (`torch.cuda.max_memory_allocated`: tensors, not the caching
+    allocator's reserve), over the run and per layer. On CPU every figure is None: the process's RSS covers it.
+
+    The counter is reset when this is created, so the run's figure is the run's own, not what the process (a
+    test session, a benchmark driver) allocated before."""
+
+    def __init__(self, device: str | object):
+        import torch
+
+        self.device = torch.device(device)
+        self.active = self.device.type == "cuda"
+        self._run = 0
+        if self.active:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def layer(self) -> int | None:
+        """Peak since the previous call (or the start), then a fresh count for the next layer."""
+        if not self.active:
+            return None
+        import torch
+
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        self._run = max(self._run, peak)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+    def run(self) -> int | None:
+        """Peak since the start."""
+        if not self.active:
+            return None
+        import torch
+
+        return max(self._run, int(torch.cuda.max_memory_allocated(self.device)))
+
+
+# A GPU run keeps the calibration activations on the device while one generation of them fits in this share
+# of the device memory left free beside the layer's working set; the rest covers each batch's temporaries (the
+# MLP intermediate, attention), the unquantised reference outputs of the error-measuring batches and the
+# one-pass schedule's paused batches (which the schedule checks itself against the free memory).
+DEVICE_ACTIVATION_SHARE = 0.5
+PLACEMENTS = ("device", "host")
+
+
+def layer_working_bytes(shapes: list[tuple[int, int]], element_size: int) -> int:
+    """Device bytes a layer's calibration holds besides the activations, estimated from its quantised linears'
+    (out, in) shapes: the weights in the compute dtype plus two fp32 working copies (the solve's, the error
+    report's), and per linear a float64 Hessian sum with two fp32 n x n factors (an upper bound: linears reading
+    the same input, q/k/v or gate/up, share one)."""
+    weights = sum(o * i for o, i in shapes)
+    return weights * (element_size + 8) + sum(i * i for _, i in shapes) * 16
+
+
+def activation_placement(device: str | object, generation_bytes: int, working_bytes: int,
+                         free_bytes: int | None, forced: str | None = None) -> str:
+    """Where a run keeps its calibration activations: "device" (the compute device; always on CPU) or "host"
+    (CPU memory, each batch moved to the GPU when a layer runs it: slower, but the activations no longer
+    compete with the layer for device memory). `forced` (QUANTKIT_DEVICE_ACTIVATIONS) overrides the estimate
+    on a GPU."""
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return "device"
+    if forced:
+        if forced not in PLACEMENTS:
+            from quantkit.errors import InputError
+
+            raise InputError(f"QUANTKIT_DEVICE_ACTIVATIONS={forced!r}: use {' or '.join(PLACEMENTS)}")
+        return forced
+    if free_bytes is None:
+        return "device"
+    room = max(free_bytes - working_bytes, 0)
+    return "device" if generation_bytes <= DEVICE_ACTIVATION_SHARE * room else "host"

@@ -214,13 +214,13 @@ def plan_run(opts: PlanOptions) -> dict:
     # high-water-mark resets below would hide it.
     opts = _with_startup_peak(opts, peak_rss_bytes())
     recipe, output = opts.recipe, Path(opts.output)
+    device = _resolve_device(opts.device)  # first, as quantize does: --device cuda without a GPU is refused
     q = recipe.quantization
     scheme = get_scheme(q.scheme, q.group_size)
     if streams(build_methods(q.method, scheme, q.options), scheme):
         return _plan_stream(opts, scheme, t0)
     if output.exists() and not opts.overwrite:
         raise InputError(f"output {output} already exists; pass --overwrite to replace it")
-    device = _resolve_device(opts.device)
     hwm_setup = HighWaterMark()
     setup = prepare_run(recipe, opts.tp)
     from quantkit.compute import choose_compute_dtype, matmul_shapes
@@ -242,6 +242,10 @@ def plan_run(opts: PlanOptions) -> dict:
     disk = check_disk_space(output, output_bytes, opts.offload_dir, opts.resume,
                             state_bytes=0 if spill else 2 * generation, spill_bytes=2 * generation if spill else 0)
 
+    from quantkit.pipeline.engine import run_activation_placement
+
+    placement = "disk" if spill else run_activation_placement(setup.handle, setup.plans, device, act_dtype,
+                                                              setup.calib.input_ids.numel())
     trial = _trial_layer0(setup, device, compute, opts.trial_samples)
     n, n_layers = setup.n_samples, len(setup.plans)
     sizes = _layer_bytes(setup.handle, n_layers)
@@ -284,6 +288,8 @@ def plan_run(opts: PlanOptions) -> dict:
         "seq_len": int(setup.calib.input_ids.shape[1]),
         "batch_size": setup.batch_size,
         "compute_dtype": compute.name + (" (bf16 autocast)" if compute.autocast else ""),
+        "device": device,
+        "activations": placement,  # where the run keeps the calibration activations: device, host or disk
         "output_bytes": output_bytes,
         "shard_bytes": shard_bytes,
         "source_bytes": source_bytes,

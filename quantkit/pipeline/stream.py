@@ -163,6 +163,9 @@ def stream_quantize(recipe: Recipe, output: Path, scheme: Scheme, overwrite: boo
             "scheme": scheme.name,
             "group_size": -1,
             "device": "cpu",
+            "device_name": None,
+            "device_peak_bytes": None,
+            "activations": None,  # data-free: no calibration activations
             "compute_dtype": "float32",
             "wall_seconds": round(time.time() - t_start, 3),
             "peak_rss_bytes": peak_rss_bytes(),

@@ -109,7 +109,8 @@ def prepare_model(model: torch.nn.Module, mode: str = "auto") -> dict[str, dict[
             fallbacks[f"{describe(module.fmt)} ({why})"] += 1
     if fallbacks:
         what = ", ".join(f"{n} x {d}" for d, n in fallbacks.items())
-        warn_once(f"no {device or 'cpu'} kernel for {sum(fallbacks.values())} quantised linear(s): {what}; "
+        where = "emulated CUDA" if mode == EMULATED else device or "cpu"
+        warn_once(f"no {where} kernel for {sum(fallbacks.values())} quantised linear(s): {what}; "
                   "they run the torch reference (slower)")
     return {kind: dict(by_kernel) for kind, by_kernel in counts.items()}
 
