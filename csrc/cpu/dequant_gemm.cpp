@@ -189,7 +189,8 @@ void gemv(const Layout& L, const float* x, int64_t M, float* y, int64_t N) {
   }
 }
 
-// One dequantised row into out[K] (fp32).
+// One dequantised row into out[K] (fp32): (q - zp) * s with one rounding, the reference's value exactly (the
+// integer difference is exact in fp32, e4m3 / 256 times 256 * s is the same product).
 void dequant_row(const Layout& L, int64_t n, float* out) {
   const uint8_t* row = L.codes + n * L.row_bytes;
   const int64_t srow = (n / L.row_block) * L.n_groups;
@@ -200,15 +201,16 @@ void dequant_row(const Layout& L, int64_t n, float* out) {
   for (int64_t g = 0; g < L.n_groups; ++g) {
     const int64_t k0 = g * L.group, k1 = std::min(L.K, k0 + L.group);
     const float s = L.scale[srow + g];
-    const float z = L.zp ? -float(L.zp[srow + g]) * s : 0.0f;
+    const float zp = L.zp ? float(L.zp[srow + g]) : 0.0f;
     int64_t k = k0;
 #ifdef QK_AVX2
     if (vec) {
-      const __m256 vs = _mm256_set1_ps(s * unit), vz = _mm256_set1_ps(L.code == U4 ? z - 8.0f * s : z);
-      for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(out + k, _mm256_fmadd_ps(decode8(L, row, k), vs, vz));
+      // decode8 gives U4 as the unsigned nibble (value + 8).
+      const __m256 vs = _mm256_set1_ps(s * unit), voff = _mm256_set1_ps(L.code == U4 ? zp + 8.0f : zp);
+      for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_sub_ps(decode8(L, row, k), voff), vs));
     }
 #endif
-    for (; k < k1; ++k) out[k] = decode1(L, row, k) * s + z;
+    for (; k < k1; ++k) out[k] = (decode1(L, row, k) - zp) * s;
   }
 }
 
@@ -472,13 +474,14 @@ void tile_rows(const DotArgs& A, int64_t t, float* out /* [16, K] */) {
     const float* st = A.scale + (t * A.n_groups + g) * TILE;
     const float* zt = A.zscale ? A.zscale + (t * A.n_groups + g) * TILE : nullptr;
     for (int j = 0; j < TILE; ++j) {
-      const float s = st[j], sz = zt ? zt[j] : 8.0f * s;
+      // (u - (8 + zp)) * s, one rounding: 8 + zp (an integer 0..15) recovered from zscale = s * (8 + zp).
+      const float s = st[j], off = zt ? (s != 0.0f ? std::nearbyint(zt[j] / s) : 0.0f) : 8.0f;
       float* o = out + j * A.K;
       for (int64_t k = k0; k < k1; k += 8) {
         const uint8_t* q = w + (k / 8) * 64 + 4 * j;
         for (int c = 0; c < 4; ++c) {
-          o[k + c] = float(q[c] & 15) * s - sz;
-          o[k + 4 + c] = float(q[c] >> 4) * s - sz;
+          o[k + c] = (float(q[c] & 15) - off) * s;
+          o[k + 4 + c] = (float(q[c] >> 4) - off) * s;
         }
       }
     }
@@ -600,6 +603,98 @@ at::Tensor dq_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Prefill: the whole weight dequantised once into the compute dtype, for one GEMM of the BLAS (oneDNN, AMX /
+// AVX512-BF16 for bf16), instead of fp32 products or many small tile GEMMs. Each value is formed exactly in fp32
+// ((q - zp) * s and q * s - (8 + zp) * s are exact there: small integers times a bf16/fp16/fp32 scale) and
+// rounded once to the output dtype, round to nearest even: the same bits as the reference's dequantisation in
+// the scale's dtype, so the product equals the reference's F.linear.
+
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays a (quiet) NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// `count` fp32 values -> out (fp32, bf16 or fp16 storage) at element offset `at`.
+void store_row(const float* v, int64_t count, at::Tensor& out, int64_t at) {
+  switch (out.scalar_type()) {
+    case at::kFloat: std::memcpy(out.data_ptr<float>() + at, v, count * 4); break;
+    case at::kBFloat16: {
+      uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + at;
+      for (int64_t i = 0; i < count; ++i) o[i] = to_bf16(v[i]);
+      break;
+    }
+    default: {
+      at::Half* o = out.data_ptr<at::Half>() + at;
+      for (int64_t i = 0; i < count; ++i) o[i] = at::Half(v[i]);
+    }
+  }
+}
+
+void check_dense_out(const at::Tensor& out, int64_t N, int64_t K) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
+              "out must be contiguous [", N, ", ", K, "]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf,
+              "out must be fp32, bf16 or fp16");
+}
+
+// dq_linear's weight (same arguments) dequantised into out [N, K].
+void dq_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zp, int64_t code, int64_t group,
+               int64_t row_block, at::Tensor out) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be uint8 [N, B]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2, "scale must be fp32 2-D");
+  TORCH_CHECK(code >= U4 && code <= E4M3 && group >= 1 && row_block >= 1, "bad code, group or row_block");
+  const int64_t N = codes.size(0), K = out.size(1);
+  check_dense_out(out, N, K);
+  const int64_t n_groups = (K + group - 1) / group;
+  TORCH_CHECK(codes.size(1) >= (code == U4 ? (K + 1) / 2 : K), "codes are shorter than K");
+  TORCH_CHECK(scale.size(1) == n_groups && scale.size(0) == (N + row_block - 1) / row_block, "scale shape mismatch");
+  const bool has_zp = zp.numel() > 0;
+  TORCH_CHECK(!has_zp || (zp.sizes() == scale.sizes() && zp.scalar_type() == at::kChar && zp.is_contiguous()),
+              "zero points must be int8 shaped like the scales");
+  Layout L{codes.data_ptr<uint8_t>(), codes.size(1), scale.data_ptr<float>(),
+           has_zp ? zp.data_ptr<int8_t>() : nullptr, n_groups, group, row_block, K, code};
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      dequant_row(L, n, row.data());
+      store_row(row.data(), K, out, n * K);
+    }
+  });
+}
+
+// dot_linear's weight (tiles, scale, zscale as there) dequantised into out [N, K].
+void dot_weight(const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& zscale, int64_t group,
+                at::Tensor out) {
+  const int64_t N = out.size(0), K = out.size(1), n_tiles = (N + TILE - 1) / TILE;
+  check_dense_out(out, N, K);
+  TORCH_CHECK(K % 64 == 0 && (group == K || (group % 64 == 0 && group > 0)), "K and group must be multiples of 64");
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.numel() == n_tiles * (K / 8) * 64,
+              "tiles must be uint8 [", n_tiles, ", ", K / 8, ", 64]");
+  const int64_t n_groups = (K + group - 1) / group;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_tiles * n_groups * TILE,
+              "scale must be fp32 [tiles, groups, 16]");
+  const bool has_z = zscale.numel() > 0;
+  TORCH_CHECK(!has_z || (zscale.scalar_type() == at::kFloat && zscale.sizes() == scale.sizes() && zscale.is_contiguous()),
+              "zscale must be empty or shaped like scale");
+  const int64_t block = (group == K || group % 128 == 0) ? 128 : 64, n_blocks = (K + block - 1) / block;
+  std::vector<int64_t> group_of_block(n_blocks);
+  for (int64_t b = 0; b < n_blocks; ++b) group_of_block[b] = (b * block) / group;
+  DotArgs A{tiles.data_ptr<uint8_t>(), scale.data_ptr<float>(), has_z ? zscale.data_ptr<float>() : nullptr,
+            K, N, n_groups, block, n_blocks, group_of_block.data(), nullptr, nullptr, nullptr};
+  at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> rows(TILE * K);
+    for (int64_t t = t0; t < t1; ++t) {
+      tile_rows(A, t, rows.data());
+      const int64_t keep = std::min<int64_t>(TILE, N - t * TILE);  // padded rows of the last tile are dropped
+      store_row(rows.data(), keep * K, out, t * TILE * K);
+    }
+  });
+}
+
 bool has_avx2() {
 #ifdef QK_AVX2
   return true;
@@ -614,5 +709,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &has_avx2, "built with the AVX2 + FMA + F16C path");
   m.def("dot_linear", &dot_linear, "x @ dequant(W)^T for 4-bit W in 16-row tiles (integer dot GEMV, BLAS past it)");
   m.def("has_vnni", &cpu_has_vnni, "this CPU runs the AVX512-VNNI path");
+  m.def("dq_weight", &dq_weight, "dequant(W) of dq_linear's weight into out [N, K] (fp32 / bf16 / fp16)");
+  m.def("dot_weight", &dot_weight, "dequant(W) of dot_linear's tiles into out [N, K] (fp32 / bf16 / fp16)");
   m.def("tile_u4", &tile_u4, "compressed-tensors 4-bit rows -> the dot kernel's tiles");
 }

@@ -172,6 +172,21 @@ def test_kernel_matches_the_reference_oracle(case, dtype):
             assert rel_rms < 2**-7, f"{case} {shape}: relative RMS error {rel_rms:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", [c for c, (_, kern) in CASES.items() if "act_order" not in c
+                                  and {kern[torch.bfloat16], kern[torch.float32]} & {CPP, DOT, I8}])
+def test_prefill_through_the_dense_gemm_is_the_reference_bit_for_bit(case, dtype):
+    """Past the GEMV rows the weight is dequantised once into x's dtype (each value rounded once, as the reference's
+    dequantisation) and multiplied by the same F.linear: the reference's output exactly, bias included."""
+    build, expected = CASES[case]
+    if expected[dtype] not in (CPP, DOT, I8):
+        pytest.skip(f"{expected[dtype]} serves {case} in {dtype}")
+    layer, twin = build(dtype), build(dtype)
+    dispatch.prepare_layer(layer)
+    x = (torch.randn(40, layer.in_features, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)
+    assert torch.equal(layer(x), reference.linear(x, twin))
+
+
 def test_unequal_act_order_groups_fall_back_to_the_reference():
     layer = int_layer(32, 128, 4, True, 32, act_order=True, dtype=torch.bfloat16)
     g_idx = layer.weight_g_idx.clone()

@@ -56,6 +56,29 @@ class Kernel(Protocol):
     def run(self, x: torch.Tensor, prepared: Prepared) -> torch.Tensor: ...
 
 
+# Prefill-sized batches (more rows than a GEMV serves) dequantise the whole weight once into the compute dtype
+# and run one dense GEMM (oneDNN: AMX / AVX512-BF16 for bf16), as fast as the dense model's own matmul once the
+# rows amortise the decode. One buffer per dtype, grown to the largest weight and reused by every layer: the
+# runtime runs one linear at a time.
+_SCRATCH: dict[torch.dtype, torch.Tensor] = {}
+
+
+def dense_scratch(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reusable [n, k] buffer of `dtype` for a layer's dequantised weight (contents undefined)."""
+    buf = _SCRATCH.get(dtype)
+    if buf is None or buf.numel() < n * k:
+        _SCRATCH.pop(dtype, None)
+        with torch.inference_mode(False):  # a normal tensor: writable inside inference mode and outside it
+            buf = _SCRATCH[dtype] = torch.empty(n * k, dtype=dtype)
+    return buf[: n * k].view(n, k)
+
+
+def dense_product(x: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, p: Prepared) -> torch.Tensor:
+    """x2 [M, in] @ w^T with the bias, as the reference computes it (one F.linear, bias inside), shaped like x."""
+    bias = None if p.bias is None else p.bias.to(x2.dtype)
+    return torch.nn.functional.linear(x2, w, bias).to(x.dtype).reshape(*x.shape[:-1], p.out_features)
+
+
 def flat(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(-1, k)
 

@@ -10,6 +10,11 @@ larger batches dequantise ~1 MB of rows at a time into x's dtype for the BLAS.
 `cpu-dequant` covers every other weight format the torch ops do not (fp32 activations of shapes the tiles do
 not take, group-wise W8A16, asymmetric or ragged shapes torch refuses, FP8 weights).
 
+Past GEMV_MAX_ROWS rows (prefill) both dequantise the whole weight once into the activation dtype, each value
+formed exactly in fp32 and rounded once (the reference's own bits), into a shared buffer (`base.dense_scratch`)
+and run one dense GEMM: the product is then the reference's F.linear, at the dense model's GEMM speed plus one
+decode pass over the weight.
+
 The weight stays in its stored bytes (4-bit nibbles, int8 or e4m3: zero-copy views of the checkpoint tensors
 where their layout allows) with fp32 scales and int8 zero points; the kernel decodes it eight weights at a
 time inside the product and accumulates in fp32, whatever the activation dtype (bf16 matmuls are slow on
@@ -29,8 +34,8 @@ import torch
 
 from quantkit.native import CSRC
 from quantkit.quant.activations import quantize_activation
-from quantkit.runtime.kernels.base import (NotSupported, Prepared, act_order, finish, flat, scale_grid, signed_weight,
-                                           unsigned_weight, zero_grid)
+from quantkit.runtime.kernels.base import (NotSupported, Prepared, act_order, dense_product, dense_scratch, finish, flat, scale_grid,
+                                           signed_weight, unsigned_weight, zero_grid)
 
 SOURCE = CSRC / "cpu" / "dequant_gemm.cpp"
 CODES = {"u4": 0, "i8": 1, "e4m3": 2}
@@ -119,6 +124,10 @@ class DequantKernel:
         if p.perm is not None:
             x2 = x2.index_select(1, p.perm)
         zp = p.zero_point if p.zero_point is not None else _EMPTY_I8
+        if x2.shape[0] > GEMV_MAX_ROWS:
+            w = dense_scratch(p.out_features, p.in_features, x2.dtype)
+            extension().dq_weight(p.codes, p.scale, zp, p.code, p.group, p.row_block, w)
+            return dense_product(x, x2, w, p)
         y = extension().dq_linear(x2.float().contiguous(), p.codes, p.scale, zp, p.code, p.group, p.row_block,
                                   GEMV_MAX_ROWS)
         return finish(y, x, p)
@@ -206,6 +215,10 @@ class Int4DotKernel:
         if p.perm is not None:
             x2 = x2.index_select(1, p.perm)
         zs = p.zscale if p.zscale is not None else _EMPTY_F32
+        if x2.shape[0] > GEMV_MAX_ROWS:
+            w = dense_scratch(p.out_features, p.in_features, x2.dtype)
+            extension().dot_weight(p.tiles, p.scale, zs, p.group, w)
+            return dense_product(x, x2, w, p)
         y = extension().dot_linear(x2.contiguous(), p.tiles, p.scale, zs, p.out_features, p.group, dot_isa(),
                                    GEMV_MAX_ROWS)
         return finish(y, x, p)

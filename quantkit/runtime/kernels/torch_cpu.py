@@ -24,10 +24,11 @@ import torch
 
 from quantkit.quant.activations import activation_codes
 from quantkit.runtime.formats import LinearFormat
-from quantkit.runtime.kernels.base import (NotSupported, Prepared, act_order, finish, flat, scale_grid, signed_weight,
-                                           unsigned_weight, zero_grid)
+from quantkit.runtime.kernels.base import (NotSupported, Prepared, act_order, dense_product, dense_scratch, finish, flat, scale_grid,
+                                           signed_weight, unsigned_weight, zero_grid)
 
 HALF = (torch.bfloat16, torch.float16)
+PREFILL_ROWS = 16  # past this many rows the int8 weight-only matmul dequantises once for oneDNN (cpp.GEMV_MAX_ROWS)
 INT4_GROUPS = (256, 128, 64, 32)
 
 
@@ -113,7 +114,11 @@ class Int8PackKernel:
         return Int8Pack(k, n, layer.bias, signed_weight(layer).contiguous(), scale, dtype)
 
     def run(self, x: torch.Tensor, p: Int8Pack) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(flat(x, p.in_features).to(p.dtype).contiguous(), p.weight, p.scale)
+        x2 = flat(x, p.in_features).to(p.dtype)
+        if x2.shape[0] > PREFILL_ROWS:  # prefill: the dense weight once, one oneDNN GEMM (see base.dense_scratch)
+            w = torch.mul(p.weight, p.scale[:, None], out=dense_scratch(p.out_features, p.in_features, p.dtype))
+            return dense_product(x, x2, w, p)
+        y = torch._weight_int8pack_mm(x2.contiguous(), p.weight, p.scale)
         return finish(y, x, p)
 
 
