@@ -45,36 +45,19 @@ def _file_digest(path: Path) -> str:
 
 
 def convert_gguf(gguf: Path, name: str | None = None) -> Path:
-    """Dequantise a GGUF file to an HF safetensors folder (bf16) in the cache; reused on later calls."""
+    """Dequantise a GGUF file to an HF safetensors folder (bf16) in the cache, one tensor at a time
+    (`models/gguf.py`); reused on later calls."""
+    from quantkit.models import gguf as gguf_convert
+
     digest = _file_digest(gguf)[:16]
     target = cache_dir() / "models" / f"{name or gguf.stem}-{digest}"
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        loaded = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except Exception as exc:
-        raise InputError(f"cannot read GGUF file {gguf}: {str(exc).splitlines()[0]}") from None
-    # transformers marks a GGUF-loaded model as quantised and refuses to save it: rebuild a plain model.
-    config_dict = loaded.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config_dict.pop("_name_or_path", None)
-    config = AutoConfig.for_model(**config_dict)
-    config.dtype = "bfloat16"
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    plain.load_state_dict({k: v.to(torch.bfloat16) for k, v in loaded.state_dict().items()}, strict=False)
-    plain.tie_weights()
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "quantkit_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256_prefix": digest}))
+    how = gguf_convert.convert(gguf, tmp)
+    gguf_convert.describe(tmp, how, gguf, digest)
     publish(tmp, target)
     return target
 

@@ -41,7 +41,8 @@ from quantkit.pipeline.activations import ActivationStore
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
 from quantkit.distributed import SINGLE, Ranks
 from quantkit.pipeline.journal import Journal
-from quantkit.pipeline.memory import DevicePeak, activation_placement, layer_working_bytes, peak_rss_bytes
+from quantkit.pipeline.memory import (DevicePeak, activation_placement, layer_working_bytes, peak_rss_bytes,
+                                     release_freed_memory, return_large_frees_to_os)
 from quantkit.compute import choose_compute_dtype, matmul_shapes
 from quantkit.progress import announce, progress_bar
 from quantkit.quant.schemes import Scheme, block_fallback, get_scheme
@@ -180,43 +181,6 @@ def _run_key(recipe: Recipe, calib: CalibrationSet, handle: ModelHandle) -> str:
         h.update(f"{name}:{info.dtype}:{info.shape}:{info.file.stat().st_size}".encode())
     h.update(quantkit.__version__.encode())
     return h.hexdigest()
-
-
-MMAP_THRESHOLD = 8 << 20
-
-
-def return_large_frees_to_os() -> None:
-    """Serve every allocation above 8 MB with its own mapping (glibc's mallopt M_MMAP_THRESHOLD, pinned), so a
-    freed weight or activation buffer leaves the process at once instead of staying resident in the heap.
-
-    Measured: 1 MB (the first setting) and 8 MB give the same peak on the 0.7B fp32 memory benchmark (904 vs
-    911 MB); glibc's adaptive default (up to 32 MB, only ever rising) kept ~1.3 GB. Below the threshold
-    temporaries reuse heap pages; above it each one is a fresh mapping that page-faults on first touch, and
-    at 1 MB that made AWQ on SmolLM2 37% slower (169 s vs 107 s)."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, MMAP_THRESHOLD)  # -3 = M_MMAP_THRESHOLD
-        # One heap for every thread: the one-pass schedule runs each batch's forward in its own thread (one at a
-        # time), and with an arena per thread each kept its freed activations resident. Measured on SmolLM2
-        # GPTQ 64 x 512: peak RSS 1292 -> 1099 MB, wall 60.5 -> 54.5 s.
-        libc.mallopt(-8, 1)  # -8 = M_ARENA_MAX
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def release_freed_memory() -> None:
-    """Hand freed heap memory back to the OS. glibc keeps freed blocks below its (adaptive, up to 32 MB) mmap
-    threshold in the heap, so per-layer tensors of that size would otherwise pile up as resident memory."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 def _set_calibration_mode(layer: nn.Module, on: bool) -> None:

@@ -147,8 +147,8 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
     from quantkit.formats.compressed_tensors import pack_quantized
     from quantkit.pipeline.activations import ActivationStore
     from quantkit.pipeline.capture import capture_layer_inputs
-    from quantkit.pipeline.engine import (LayerBatches, layer_context, paused_activation_bytes, process_layer,
-                                          release_freed_memory)
+    from quantkit.pipeline.engine import LayerBatches, layer_context, paused_activation_bytes, process_layer
+    from quantkit.pipeline.memory import release_freed_memory
 
     n = max(1, min(setup.n_samples, trial_samples or setup.batch_size))
     autocast = compute.autocast
@@ -204,7 +204,8 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
 def plan_run(opts: PlanOptions) -> dict:
     """The plan of a quantize run (see the module docstring). Raises InputError when the disk is short."""
     from quantkit.methods import build_methods
-    from quantkit.pipeline.engine import _actorder, _resolve_device, prepare_run, return_large_frees_to_os
+    from quantkit.pipeline.engine import _actorder, _resolve_device, prepare_run
+    from quantkit.pipeline.memory import return_large_frees_to_os
     from quantkit.pipeline.stream import streams
     from quantkit.quant.schemes import get_scheme
 
