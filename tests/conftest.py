@@ -9,6 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("QUANTKIT_NO_PROGRESS", "1")
+# Tests that name the kernel serving a layer must not depend on a timing: the registration order serves, and the
+# measured choice is tested on its own (tests/runtime/test_kernel_choice.py).
+os.environ.setdefault("QUANTKIT_KERNEL_CHOICE", "priority")
 # Never the user's ~/.cache/quantkit: the suite's converted models and generated data live in the checkout (kept
 # between runs, so the embedded GGUF is converted once), unless the caller names a cache (CI does).
 os.environ.setdefault("QUANTKIT_CACHE", str(Path(__file__).resolve().parents[1] / ".cache-test"))

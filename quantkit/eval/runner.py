@@ -293,6 +293,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
             stats = {k: torch.cat(v) for k, v in parts.items()}
             row = {"checkpoint": str(ckpt), **summarize(stats), **size_figures(ckpt, rt.dtype),
                    "resident_weight_bytes": rt.resident_weight_bytes, "formats": rt.formats, "kernels": rt.kernels,
+                   "kernel_choice": rt.kernel_choice,
                    "compute": compute.to_dict()}
             row.update(_extras(rt, base_tok, tasks, opts, device, evaluate_task))
             if prompts is not None and not spec.grid:

@@ -67,9 +67,14 @@ def describe(fmt) -> str:
     return what + ("" if w.symmetric else " asym") + (" act-order" if w.actorder else "")
 
 
-def prepare_layer(layer, mode: str = "auto") -> tuple[str, str | None]:
-    """Attach the first kernel that serves `layer` (see module doc). Returns (kernel name, why the reference
-    runs it when no kernel took it under mode auto, else None)."""
+def _key(mode: str, device: torch.device) -> str:
+    return EMULATED if mode == EMULATED else device.type
+
+
+def prepare_layer(layer, mode: str = "auto", prefer: str | None = None) -> tuple[str, str | None]:
+    """Attach the first kernel that serves `layer` (see module doc; `prefer` names a kernel to try first: the
+    measured choice). Returns (kernel name, why the reference runs it when no kernel took it under mode auto,
+    else None)."""
     if check_mode(mode) == "reference":
         return "reference", None
     ref = layer.weight_scale
@@ -77,7 +82,10 @@ def prepare_layer(layer, mode: str = "auto") -> tuple[str, str | None]:
     if mode == EMULATED and device.type != "cpu":
         raise InputError(f"--kernels {EMULATED} runs on CPU tensors; the model is on {device}")
     refused = []
-    for kernel in kernels_for(EMULATED if mode == EMULATED else device.type):
+    kernels = kernels_for(_key(mode, device))
+    if prefer is not None:
+        kernels = sorted(kernels, key=lambda k: k.name != prefer)  # stable: the rest keep their order
+    for kernel in kernels:
         if not kernel.supports(layer.fmt, device, shape, layer.compute_dtype):
             continue
         try:
@@ -91,19 +99,50 @@ def prepare_layer(layer, mode: str = "auto") -> tuple[str, str | None]:
     return "reference", "; ".join(refused) or f"no {'emulated CUDA' if mode == EMULATED else device.type} kernel"
 
 
-def prepare_model(model: torch.nn.Module, mode: str = "auto") -> dict[str, dict[str, int]]:
-    """Prepare every QuantLinear; returns op kind -> kernel name -> number of linears it serves."""
+def _measured_choice(layer, mode: str):
+    """The measured kernel choice (`kernels/choice.py`) for this layer's signature, or None where fewer than two
+    kernels can serve it."""
+    from quantkit.runtime.kernels import choice
+
+    device, shape = layer.weight_scale.device, (layer.out_features, layer.in_features)
+    prepared = []
+    for kernel in kernels_for(_key(mode, device)):
+        if kernel.supports(layer.fmt, device, shape, layer.compute_dtype):
+            try:
+                prepared.append((kernel, kernel.prepare(layer)))
+            except (NotSupported, RuntimeError):
+                continue
+    if len(prepared) < 2:
+        return None
+    signature = f"{describe(layer.fmt)} {shape[0]}x{shape[1]} {str(layer.compute_dtype).replace('torch.', '')}"
+    return choice.choose(layer, prepared, signature)
+
+
+def prepare_model(model: torch.nn.Module, mode: str = "auto", choices: list | None = None) -> dict[str, dict[str, int]]:
+    """Prepare every QuantLinear; returns op kind -> kernel name -> number of linears it serves. Where several
+    kernels can serve a layer (mode auto on the CPU) the fastest measured one does; each measured choice is
+    appended to `choices`."""
+    from quantkit.runtime.kernels import choice
     from quantkit.runtime.linear import QuantLinear
 
     mode = check_mode(mode)
     counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     fallbacks: dict[str, int] = defaultdict(int)
+    measured: dict[tuple, object] = {}
     device = None
     for module in model.modules():
         if not isinstance(module, QuantLinear):
             continue
         device = module.weight_scale.device.type
-        name, why = prepare_layer(module, mode)
+        prefer = None
+        if mode == "auto" and device == "cpu" and choice.mode() == "measure":
+            sig = (describe(module.fmt), module.out_features, module.in_features, module.compute_dtype)
+            if sig not in measured:
+                measured[sig] = _measured_choice(module, mode)
+                if measured[sig] is not None and choices is not None:
+                    choices.append(measured[sig])
+            prefer = measured[sig].chosen if measured[sig] is not None else None
+        name, why = prepare_layer(module, mode, prefer)
         counts[module.kind][name] += 1
         if why is not None:
             fallbacks[f"{describe(module.fmt)} ({why})"] += 1

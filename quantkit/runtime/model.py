@@ -11,6 +11,7 @@ repack it once into their own layout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from collections import Counter
@@ -47,6 +48,8 @@ class RuntimeModel:
     quant_config: QuantConfig | None = None
     formats: dict[str, int] = field(default_factory=dict)  # op kind -> number of quantised linears
     kernels: dict[str, dict[str, int]] = field(default_factory=dict)  # op kind -> kernel name -> linears served
+    # Where several kernels could serve a layer signature: the measured choice (kernels/choice.py), as dicts.
+    kernel_choice: list[dict] = field(default_factory=list)
 
     @property
     def resident_weight_bytes(self) -> int:
@@ -252,11 +255,13 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
         raise InputError(f"{path}: tensors missing from the checkpoint: {', '.join(leftover[:3])}")
     model.eval()
     model.config.use_cache = True
-    kernel_counts = dispatch.prepare_model(model, mode)
+    choices: list = []
+    kernel_counts = dispatch.prepare_model(model, mode, choices)
     launcher = launcher_for(device, mode)
     if launcher is not None:  # MoE grouped GEMMs, absorbed MLA decode, tree masks (reported with the linears)
         kernel_counts.update(install_cuda_ops(model, launcher, device, dtype))
-    return RuntimeModel(model, path, config, dtype, device, quant, dict(formats), kernel_counts)
+    return RuntimeModel(model, path, config, dtype, device, quant, dict(formats), kernel_counts,
+                        [dataclasses.asdict(c) for c in choices])
 
 
 def read_config(path: Path) -> dict:
