@@ -126,6 +126,18 @@ def test_refinement_lowers_held_out_kl(tiny, tmp_path):
     assert kls[100] < kls[0], kls
 
 
+def test_refinement_stops_when_the_held_out_error_does(tiny, tmp_path):
+    """A budget far past what the tiny model needs: every layer stops early (checks every 10 steps, at least 60),
+    keeps the best held-out error it saw, and the conversion is still better than the closed form."""
+    out = tmp_path / "long"
+    summary = convert_model(str(tiny["gqa"]), out, MLAOptions(kv_lora_rank=12, rope_dim=8, refine_steps=2000),
+                            num_samples=8, seq_len=64)
+    for r in summary["refine"]:
+        assert 60 <= r["steps"] < 2000 and r["steps"] % 10 == 0, r
+        assert r["after"] <= r["before"]
+    assert any(r["after"] < r["before"] for r in summary["refine"])
+
+
 @pytest.mark.parametrize("use_complex", [True, False])
 def test_rope_rotation_keeps_scores_at_any_positions(use_complex):
     """Rotating keys across KV heads within each frequency (and queries to match) commutes with RoPE."""
@@ -189,7 +201,8 @@ def test_sliding_window_is_refused(tmp_path):
                                          (["--rope-dim", "7"], "even"), (["--rope-dim", "18"], "head_dim (16)"),
                                          (["--kv-lora-rank", "lots"], "integer or 'full'"),
                                          (["--sweep", "8,100"], "exact maximum 56"),
-                                         (["--refine-steps", "-1"], "0 or more")])
+                                         (["--refine-steps", "-1"], "0 or more"),
+                                         (["--refine-batch", "0"], "1 or more")])
 def test_bad_sizes_are_refused(tiny, tmp_path, args, needle):
     out = tmp_path / "out"
     _fail(_convert("--model", str(tiny["gqa"]), "--output", str(out), *args), 2, needle)
