@@ -477,7 +477,19 @@ void tile_rows(const DotArgs& A, int64_t t, float* out /* [16, K] */) {
       // (u - (8 + zp)) * s, one rounding: 8 + zp (an integer 0..15) recovered from zscale = s * (8 + zp).
       const float s = st[j], off = zt ? (s != 0.0f ? std::nearbyint(zt[j] / s) : 0.0f) : 8.0f;
       float* o = out + j * A.K;
-      for (int64_t k = k0; k < k1; k += 8) {
+      int64_t k = k0;
+#ifdef QK_AVX2
+      // Bytes c = 0..3 of the row's word: columns c (low nibble) and 4 + c (high).
+      const __m256i shifts = _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28);
+      const __m256 vs = _mm256_set1_ps(s), voff = _mm256_set1_ps(off);
+      for (; k < k1; k += 8) {
+        uint32_t word;
+        std::memcpy(&word, w + (k / 8) * 64 + 4 * j, 4);
+        const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(word)), shifts), _mm256_set1_epi32(15));
+        _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(nib), voff), vs));
+      }
+#endif
+      for (; k < k1; k += 8) {
         const uint8_t* q = w + (k / 8) * 64 + 4 * j;
         for (int c = 0; c < 4; ++c) {
           o[k + c] = (float(q[c] & 15) - off) * s;
@@ -618,18 +630,41 @@ inline uint16_t to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
+#ifdef QK_AVX2
+// Eight fp32 -> eight bf16 (round to nearest even, NaN kept quiet), as to_bf16.
+inline __m128i to_bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit lane: 4 values, twice
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+#endif
+
 // `count` fp32 values -> out (fp32, bf16 or fp16 storage) at element offset `at`.
 void store_row(const float* v, int64_t count, at::Tensor& out, int64_t at) {
+  int64_t i = 0;
   switch (out.scalar_type()) {
     case at::kFloat: std::memcpy(out.data_ptr<float>() + at, v, count * 4); break;
     case at::kBFloat16: {
       uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + at;
-      for (int64_t i = 0; i < count; ++i) o[i] = to_bf16(v[i]);
+#ifdef QK_AVX2
+      for (; i + 8 <= count; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), to_bf16x8(_mm256_loadu_ps(v + i)));
+#endif
+      for (; i < count; ++i) o[i] = to_bf16(v[i]);
       break;
     }
     default: {
       at::Half* o = out.data_ptr<at::Half>() + at;
-      for (int64_t i = 0; i < count; ++i) o[i] = at::Half(v[i]);
+#ifdef QK_AVX2
+      for (; i + 8 <= count; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), _mm256_cvtps_ph(_mm256_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+      for (; i < count; ++i) o[i] = at::Half(v[i]);
     }
   }
 }

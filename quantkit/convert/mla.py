@@ -49,7 +49,7 @@ from torch import nn
 from quantkit.convert.rope import (complex_rows, frequency_rotations, interleave_rows, inv_frequencies,
                                    real_rows)
 from quantkit.convert.output import prepare_output
-from quantkit.errors import InputError, RunError
+from quantkit.errors import InputError
 from quantkit.formats.files import publish
 
 CONVERTIBLE = ("llama", "mistral", "qwen2")
@@ -258,11 +258,9 @@ def convert_attention(w: AttentionWeights, cov_x: torch.Tensor, mean_x: torch.Te
             blocks_v.append(torch.eye(hd, dtype=f64))
     gk, gv = torch.block_diag(*blocks_k), torch.block_diag(*blocks_v)
     if opts.balanced:
-        nk = n_kv * hd
         ek = torch.trace(gk @ k_nope @ cov @ k_nope.T).clamp_min(1e-30)
         ev = torch.trace(gv @ wv @ cov @ wv.T).clamp_min(1e-30)
         gk, gv = gk / ek, gv / ev
-        del nk
     g_half, g_inv_half = zip(*(_sqrt_psd(b) for b in (gk, gv)))
     gh, gih = torch.block_diag(*g_half), torch.block_diag(*g_inv_half)
     s = gh @ m @ cov @ m.T @ gh

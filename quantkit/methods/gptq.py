@@ -46,12 +46,11 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
-from torch import nn
 
 from quantkit.errors import InputError
 from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
 from quantkit.quant.integer import SCALE_DTYPE_CODES, group_qparams, round_to_dtype
-from quantkit.quant import QuantArgs, compute_qparams, dequantize_weight_args, quantize_weight
+from quantkit.quant import QuantArgs, dequantize_weight_args, quantize_weight
 
 ACTORDERS = ("static", "group", "none")
 SCALE_MODES = ("updated", "original")
@@ -476,7 +475,7 @@ class GPTQ(Method):
             torch.set_num_threads(threads)
 
     def _apply(self, ctx: LayerContext) -> None:
-        cfg, args = self.config, self.scheme.weights
+        cfg = self.config
         pending = ctx.pending()
         groups: dict[str, list[str]] = {}
         for name in pending:

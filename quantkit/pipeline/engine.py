@@ -80,7 +80,6 @@ def plan_layers(handle: ModelHandle, scheme: Scheme, ignore: list[str], strict: 
     plans = []
     for i in range(handle.num_layers):
         layer = handle.meta_layer(i)
-        prefix = handle.layer_prefix(i)
         targets, skipped = [], []
         linear_params = set()
         for local, module in layer.named_modules():
