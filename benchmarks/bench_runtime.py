@@ -142,6 +142,9 @@ def quantize(src: Path, fmt: str, out: Path, group: int) -> Path:
 def gguf_files(name: str, src: Path, work: Path) -> dict[str, Path]:
     """GGUF versions of the model: llama.cpp's converter (f16 via bf16), then its quantiser."""
     files: dict[str, Path] = {}
+    if not LLAMA_PY.exists():  # no llama.cpp venv (benchmarks/setup_llamacpp.sh): no llama.cpp rows
+        print("llama.cpp rows left out: run benchmarks/setup_llamacpp.sh first", flush=True)
+        return files
     if name == "smollm2":
         import importlib.util
 

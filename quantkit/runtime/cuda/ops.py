@@ -120,8 +120,9 @@ class MLADecode(nn.Module):
         if isinstance(cache, KVCache):
             cache.joint.add(self.layer_idx)
         b, t = hidden_states.shape[:2]
-        if not (isinstance(cache, KVCache) and t == 1 and hidden_states.dtype == torch.bfloat16
-                and _no_mask(attention_mask)):
+        joint = isinstance(cache, KVCache) and (len(cache.layers) <= self.layer_idx
+                                                or hasattr(cache.layers[self.layer_idx], "rows"))
+        if not (joint and t == 1 and hidden_states.dtype == torch.bfloat16 and _no_mask(attention_mask)):
             return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
         mla: AbsorbedMLA = self._absorbed
         if self.q_lora_rank is None:
