@@ -207,9 +207,12 @@ def test_inspect_table_keeps_every_value_whole_when_piped(tmp_path, tiny_models)
         assert f"{layer['rel_error']:.5f}" in shown.stdout
 
 
-def test_convert_mla_reports_progress_lines_when_not_a_terminal(tmp_path, tiny_models):
+def test_convert_mla_reports_progress_lines_when_not_a_terminal(tmp_path, tiny_models, monkeypatch):
     import re
 
+    import quantkit.convert.mla as mla
+
+    monkeypatch.setattr(mla, "MIN_STEPS", 1500)  # no early stop: a run long enough for several progress intervals
     result = runner.invoke(app, ["convert-mla", "--model", str(tiny_models["llama"]), "--output", str(tmp_path / "m"),
                                  "--num-samples", "8", "--seq-len", "64", "--refine-steps", "1500"],
                            env={"QUANTKIT_NO_PROGRESS": None, "QUANTKIT_PROGRESS_INTERVAL": "0.5"})
