@@ -59,7 +59,6 @@ def speculative_generate(target, draft, prompt: list[int], cfg: SpecConfig,
         raise ValueError("the prompt needs at least one token")
     device = _device(target)
     net = _net(target)
-    launcher = getattr(net, "quantkit_launcher", None)  # CUDA ops installed at load: the tree mask kernel
     generator = torch.Generator().manual_seed(cfg.seed)
     rates = rates if rates is not None else AcceptanceRates()
     cache = KVCache()
@@ -78,8 +77,11 @@ def speculative_generate(target, draft, prompt: list[int], cfg: SpecConfig,
         tokens = torch.tensor([[ctx[-1], *tree.tokens]], device=device)
         base = cache.length
         positions = tree_positions(parents, len(ctx) - 1, device=device)
-        mask = None if tree.is_chain() else (cuda_tree_mask(net, parents, base, device)
-                                             if launcher else tree_mask(parents, base, device=device))
+        mask = None
+        if not tree.is_chain():  # the kernel's mask where CUDA ops are installed (None past its 1024 nodes)
+            mask = cuda_tree_mask(net, parents, base, device)
+            if mask is None:
+                mask = tree_mask(parents, base, device=device)
         logits = step(target, tokens, positions, cache, mask)[0]
         path, token = accept_path(tree.parents, tree.tokens, tree.proposals, logits, cfg.temperature, generator)
         if tree.is_chain():
