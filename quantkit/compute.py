@@ -144,6 +144,25 @@ def _cache_key(info: CpuInfo, shapes, candidates) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
+def read_cache(path: Path) -> dict:
+    """A machine-measurement cache (JSON), empty when missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def write_cache(path: Path, cached: dict) -> None:
+    """Replace the cache file atomically; a read-only cache only costs the next run another short probe."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
 def _load_per_core() -> float:
     try:
         return os.getloadavg()[0] / max(os.cpu_count() or 1, 1)
@@ -162,13 +181,9 @@ def _usable(entry, load_now: float) -> bool:
 def _measured(info: CpuInfo, shapes, candidates, measure: Measure, use_cache: bool) -> tuple[dict[str, float], bool]:
     key = _cache_key(info, shapes, candidates)
     path = _cache_file()
-    cached: dict = {}
     load = _load_per_core()
+    cached = read_cache(path) if use_cache else {}
     if use_cache:
-        try:
-            cached = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            cached = {}
         if _usable(cached.get(key), load):
             return cached[key]["gflops"], True
     if measure is measure_gflops:
@@ -176,13 +191,7 @@ def _measured(info: CpuInfo, shapes, candidates, measure: Measure, use_cache: bo
     speeds = {dtype_name(c): round(measure(c, shapes), 2) for c in candidates}
     if use_cache:
         cached[key] = {"gflops": speeds, "load_per_core": round(load, 2)}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cached, indent=1))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only cache only costs the next run another sub-second probe
+        write_cache(path, cached)
     return speeds, False
 
 

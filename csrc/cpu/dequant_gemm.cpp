@@ -6,8 +6,8 @@
 // zp, so w = (q - zp) * s; `row_block` rows share one scale row (128 for FP8 block scales, N for one
 // tensor-wide scale, 1 otherwise). The weight is never expanded as a whole: small batches decode
 // eight weights at a time straight into FMAs against every row of x (memory-bound decode, so reading 4 or 8
-// bits per weight instead of 16 or 32 is what makes it fast); larger batches decode a tile of rows that fits
-// in cache and hand it to the BLAS.
+// bits per weight instead of 16 or 32 is what makes it fast); larger batches get the whole weight
+// dequantised once into their dtype (dq_weight / dot_weight) for one BLAS GEMM.
 //
 // Built with AVX2 + FMA + F16C as the baseline (every x86 server since 2013); a scalar path covers ragged
 // tails and the build without AVX2.
@@ -212,33 +212,6 @@ void dequant_row(const Layout& L, int64_t n, float* out) {
 #endif
     for (; k < k1; ++k) out[k] = (decode1(L, row, k) - zp) * s;
   }
-}
-
-// Batches past the GEMV range: `fill(row, out)` writes `align` dense fp32 weight rows from `row` into out;
-// `chunk` rows at a time (a multiple of align, ~1 MB) are multiplied by the BLAS in x's dtype.
-template <class Fill>
-at::Tensor rows_through_blas(const at::Tensor& x, int64_t N, int64_t chunk, int64_t align, const Fill& fill) {
-  const int64_t K = x.size(1), M = x.size(0);
-  at::Tensor buf = at::empty({chunk, K}, x.options().dtype(at::kFloat));
-  at::Tensor yt = at::empty({N, M}, x.options());
-  at::Tensor xt = x.t();
-  float* b = buf.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
-    const int64_t nb = std::min(chunk, N - n0), units = (nb + align - 1) / align;
-    at::parallel_for(0, units, align == 1 ? 4 : 1, [&](int64_t u0, int64_t u1) {
-      for (int64_t u = u0; u < u1; ++u) fill(n0 + u * align, b + u * align * K);
-    });
-    at::Tensor dense = buf.narrow(0, 0, nb);
-    at::Tensor out = yt.narrow(0, n0, nb);
-    at::mm_out(out, x.scalar_type() == at::kFloat ? dense : dense.to(x.scalar_type()), xt);
-  }
-  return yt.t().contiguous();
-}
-
-at::Tensor tiled(const Layout& L, const at::Tensor& x, int64_t N) {
-  const int64_t K = L.K;
-  const int64_t rows = std::max<int64_t>(16, std::min<int64_t>(N, (int64_t(1) << 18) / std::max<int64_t>(K, 1)));
-  return rows_through_blas(x, N, rows, 1, [&](int64_t row, float* out) { dequant_row(L, row, out); });
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -527,16 +500,11 @@ at::Tensor tile_u4(const at::Tensor& packed, int64_t K) {
   return tiles;
 }
 
-// The integer-dot linear on tiles made by quantkit.runtime.kernels.cpp.tile_nibbles: x [M, K] fp32 or bf16;
-// tiles uint8 [ceil(N / 16), K / 8, 64]; scale (and zscale, or empty) fp32 [tiles, n_groups, 16]; K % 64 == 0,
-// group a multiple of 64 or K. M <= gemv_max_rows: the integer GEMV; larger M: dense row tiles in x's dtype
-// through the BLAS. isa: 0 scalar, 1 AVX2, 2 AVX512-VNNI (downgraded to what this CPU and build have).
-// Returns fp32 [M, N] (GEMV) or x's dtype (BLAS).
-at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& zscale,
-                      int64_t N, int64_t group, int64_t isa, int64_t gemv_max_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-              x.scalar_type() == at::kHalf), "x must be contiguous [M, K] fp32/bf16/fp16");
-  const int64_t M = x.size(0), K = x.size(1), n_tiles = (N + TILE - 1) / TILE;
+// The dot kernel's weight, checked: tiles uint8 [ceil(N / 16), K / 8, 64]; scale (and zscale, or empty) fp32
+// [tiles, n_groups, 16]; K % 64 == 0, group a multiple of 64 or K. `group_of_block` receives the blocks' groups.
+DotArgs dot_args(const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& zscale, int64_t N, int64_t K,
+                 int64_t group, std::vector<int64_t>& group_of_block) {
+  const int64_t n_tiles = (N + TILE - 1) / TILE;
   TORCH_CHECK(K % 64 == 0 && K > 0, "K must be a positive multiple of 64, got ", K);
   TORCH_CHECK(group == K || (group % 64 == 0 && group > 0), "group must be a multiple of 64 or K, got ", group);
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.numel() == n_tiles * (K / 8) * 64,
@@ -547,17 +515,25 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Te
   const bool has_z = zscale.numel() > 0;
   TORCH_CHECK(!has_z || (zscale.scalar_type() == at::kFloat && zscale.is_contiguous() && zscale.sizes() == scale.sizes()),
               "zscale must be empty or shaped like scale");
-  const int64_t block = (group == K || group % 128 == 0) ? 128 : 64;
-  const int64_t n_blocks = (K + block - 1) / block;
-  std::vector<int64_t> group_of_block(n_blocks);
+  const int64_t block = (group == K || group % 128 == 0) ? 128 : 64, n_blocks = (K + block - 1) / block;
+  group_of_block.resize(n_blocks);
   for (int64_t b = 0; b < n_blocks; ++b) group_of_block[b] = (b * block) / group;
-  DotArgs A{tiles.data_ptr<uint8_t>(), scale.data_ptr<float>(), has_z ? zscale.data_ptr<float>() : nullptr,
-            K, N, n_groups, block, n_blocks, group_of_block.data(), nullptr, nullptr, nullptr};
-  if (M > gemv_max_rows) {
-    // Dense rows of ~1 MB at a time, in x's dtype, multiplied by the BLAS (AMX / AVX512-BF16 for bf16).
-    const int64_t per = std::max<int64_t>(1, std::min<int64_t>(n_tiles, ((int64_t(1) << 18) / K + TILE - 1) / TILE));
-    return rows_through_blas(x, N, per * TILE, TILE, [&](int64_t row, float* out) { tile_rows(A, row / TILE, out); });
-  }
+  return DotArgs{tiles.data_ptr<uint8_t>(), scale.data_ptr<float>(), has_z ? zscale.data_ptr<float>() : nullptr,
+                 K, N, n_groups, block, n_blocks, group_of_block.data(), nullptr, nullptr, nullptr};
+}
+
+// The integer-dot GEMV on the tiles made by quantkit.runtime.kernels.cpp (see dot_args): x [M, K] fp32, bf16 or
+// fp16 with M <= gemv_max_rows (past it the caller dequantises with dot_weight for the BLAS). isa: 0 scalar,
+// 1 AVX2, 2 AVX512-VNNI (downgraded to what this CPU and build have). Returns fp32 [M, N].
+at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& zscale,
+                      int64_t N, int64_t group, int64_t isa, int64_t gemv_max_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+              x.scalar_type() == at::kHalf), "x must be contiguous [M, K] fp32/bf16/fp16");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M <= gemv_max_rows, "dot_linear serves up to ", gemv_max_rows, " rows; dequantise with dot_weight past it");
+  std::vector<int64_t> group_of_block;
+  DotArgs A = dot_args(tiles, scale, zscale, N, K, group, group_of_block);
+  const int64_t block = A.block, n_blocks = A.n_blocks;
   at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor xq = at::empty({M, 2 * K}, xf.options().dtype(at::kChar));
   at::Tensor xc = at::empty({M, n_blocks}, xf.options());
@@ -588,28 +564,33 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Te
   return y;
 }
 
-// x: fp32 [M, K]; codes: uint8 [N, row_bytes]; scale: fp32 [ceil(N / row_block), n_groups]; zp: int8 of
-// the same shape or empty (symmetric); returns fp32 [M, N].
-at::Tensor dq_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zp,
-                     int64_t code, int64_t group, int64_t row_block, int64_t gemv_max_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+// codes: uint8 [N, row_bytes]; scale: fp32 [ceil(N / row_block), n_groups]; zp: int8 of the same shape or empty
+// (symmetric); checked against K columns.
+Layout dq_layout(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zp, int64_t code, int64_t group,
+                 int64_t row_block, int64_t K) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be uint8 [N, B]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2, "scale must be fp32 2-D");
   TORCH_CHECK(code >= U4 && code <= E4M3, "unknown weight code");
   TORCH_CHECK(group >= 1 && row_block >= 1, "group and row_block must be positive");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  const int64_t need = code == U4 ? (K + 1) / 2 : K;
+  const int64_t N = codes.size(0), need = code == U4 ? (K + 1) / 2 : K;
   TORCH_CHECK(codes.size(1) >= need, "codes hold ", codes.size(1), " bytes per row, K=", K, " needs ", need);
   const int64_t n_groups = (K + group - 1) / group;
   TORCH_CHECK(scale.size(1) == n_groups && scale.size(0) == (N + row_block - 1) / row_block, "scale shape mismatch");
   const bool has_zp = zp.numel() > 0;
-  if (has_zp) {
-    TORCH_CHECK(zp.sizes() == scale.sizes() && zp.scalar_type() == at::kChar && zp.is_contiguous(),
-                "zero points must be int8 shaped like the scales");
-  }
-  Layout L{codes.data_ptr<uint8_t>(), codes.size(1), scale.data_ptr<float>(),
-           has_zp ? zp.data_ptr<int8_t>() : nullptr, n_groups, group, row_block, K, code};
-  if (M > gemv_max_rows) return tiled(L, x, N);
+  TORCH_CHECK(!has_zp || (zp.sizes() == scale.sizes() && zp.scalar_type() == at::kChar && zp.is_contiguous()),
+              "zero points must be int8 shaped like the scales");
+  return Layout{codes.data_ptr<uint8_t>(), codes.size(1), scale.data_ptr<float>(),
+                has_zp ? zp.data_ptr<int8_t>() : nullptr, n_groups, group, row_block, K, code};
+}
+
+// The GEMV: x fp32 [M, K] with M <= gemv_max_rows (past it the caller dequantises with dq_weight for the BLAS);
+// the weight as dq_layout takes it; returns fp32 [M, N].
+at::Tensor dq_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zp,
+                     int64_t code, int64_t group, int64_t row_block, int64_t gemv_max_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(M <= gemv_max_rows, "dq_linear serves up to ", gemv_max_rows, " rows; dequantise with dq_weight past it");
+  Layout L = dq_layout(codes, scale, zp, code, group, row_block, K);
   at::Tensor y = at::empty({M, N}, x.options());
   gemv(L, x.data_ptr<float>(), M, y.data_ptr<float>(), N);
   return y;
@@ -679,19 +660,9 @@ void check_dense_out(const at::Tensor& out, int64_t N, int64_t K) {
 // dq_linear's weight (same arguments) dequantised into out [N, K].
 void dq_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zp, int64_t code, int64_t group,
                int64_t row_block, at::Tensor out) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be uint8 [N, B]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2, "scale must be fp32 2-D");
-  TORCH_CHECK(code >= U4 && code <= E4M3 && group >= 1 && row_block >= 1, "bad code, group or row_block");
   const int64_t N = codes.size(0), K = out.size(1);
   check_dense_out(out, N, K);
-  const int64_t n_groups = (K + group - 1) / group;
-  TORCH_CHECK(codes.size(1) >= (code == U4 ? (K + 1) / 2 : K), "codes are shorter than K");
-  TORCH_CHECK(scale.size(1) == n_groups && scale.size(0) == (N + row_block - 1) / row_block, "scale shape mismatch");
-  const bool has_zp = zp.numel() > 0;
-  TORCH_CHECK(!has_zp || (zp.sizes() == scale.sizes() && zp.scalar_type() == at::kChar && zp.is_contiguous()),
-              "zero points must be int8 shaped like the scales");
-  Layout L{codes.data_ptr<uint8_t>(), codes.size(1), scale.data_ptr<float>(),
-           has_zp ? zp.data_ptr<int8_t>() : nullptr, n_groups, group, row_block, K, code};
+  Layout L = dq_layout(codes, scale, zp, code, group, row_block, K);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> row(K);
     for (int64_t n = n0; n < n1; ++n) {
@@ -706,20 +677,8 @@ void dot_weight(const at::Tensor& tiles, const at::Tensor& scale, const at::Tens
                 at::Tensor out) {
   const int64_t N = out.size(0), K = out.size(1), n_tiles = (N + TILE - 1) / TILE;
   check_dense_out(out, N, K);
-  TORCH_CHECK(K % 64 == 0 && (group == K || (group % 64 == 0 && group > 0)), "K and group must be multiples of 64");
-  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.numel() == n_tiles * (K / 8) * 64,
-              "tiles must be uint8 [", n_tiles, ", ", K / 8, ", 64]");
-  const int64_t n_groups = (K + group - 1) / group;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_tiles * n_groups * TILE,
-              "scale must be fp32 [tiles, groups, 16]");
-  const bool has_z = zscale.numel() > 0;
-  TORCH_CHECK(!has_z || (zscale.scalar_type() == at::kFloat && zscale.sizes() == scale.sizes() && zscale.is_contiguous()),
-              "zscale must be empty or shaped like scale");
-  const int64_t block = (group == K || group % 128 == 0) ? 128 : 64, n_blocks = (K + block - 1) / block;
-  std::vector<int64_t> group_of_block(n_blocks);
-  for (int64_t b = 0; b < n_blocks; ++b) group_of_block[b] = (b * block) / group;
-  DotArgs A{tiles.data_ptr<uint8_t>(), scale.data_ptr<float>(), has_z ? zscale.data_ptr<float>() : nullptr,
-            K, N, n_groups, block, n_blocks, group_of_block.data(), nullptr, nullptr, nullptr};
+  std::vector<int64_t> group_of_block;
+  const DotArgs A = dot_args(tiles, scale, zscale, N, K, group, group_of_block);
   at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> rows(TILE * K);
     for (int64_t t = t0; t < t1; ++t) {

@@ -101,7 +101,7 @@ def prepare_layer(layer, mode: str = "auto", prefer: str | None = None) -> tuple
 
 def _measured_choice(layer, mode: str):
     """The measured kernel choice (`kernels/choice.py`) for this layer's signature, or None where fewer than two
-    kernels can serve it."""
+    kernels can serve it. The winner's layout of `layer` is attached to it (it was prepared for the timing)."""
     from quantkit.runtime.kernels import choice
 
     device, shape = layer.weight_scale.device, (layer.out_features, layer.in_features)
@@ -115,7 +115,9 @@ def _measured_choice(layer, mode: str):
     if len(prepared) < 2:
         return None
     signature = f"{describe(layer.fmt)} {shape[0]}x{shape[1]} {str(layer.compute_dtype).replace('torch.', '')}"
-    return choice.choose(layer, prepared, signature)
+    chosen = choice.choose(layer, prepared, signature)
+    layer.attach(*next((k, p) for k, p in prepared if k.name == chosen.chosen))
+    return chosen
 
 
 def prepare_model(model: torch.nn.Module, mode: str = "auto", choices: list | None = None) -> dict[str, dict[str, int]]:
@@ -142,6 +144,9 @@ def prepare_model(model: torch.nn.Module, mode: str = "auto", choices: list | No
                 if measured[sig] is not None and choices is not None:
                     choices.append(measured[sig])
             prefer = measured[sig].chosen if measured[sig] is not None else None
+        if module.kernel is not None:  # attached by its signature's measurement
+            counts[module.kind][module.kernel.name] += 1
+            continue
         name, why = prepare_layer(module, mode, prefer)
         counts[module.kind][name] += 1
         if why is not None:

@@ -72,23 +72,20 @@ def _key(signature: str, names: list[str]) -> str:
 
 
 def _load_per_core() -> float:
-    try:
-        return os.getloadavg()[0] / max(os.cpu_count() or 1, 1)
-    except OSError:
-        return 0.0
+    from quantkit import compute
+
+    return compute._load_per_core()
 
 
 def choose(layer, candidates: list[tuple[object, object]], signature: str, measure: Measure = time_call,
            use_cache: bool = True) -> Choice:
     """The fastest of `candidates` [(kernel, prepared on `layer`)] on a one-row activation of the layer's dtype."""
+    from quantkit.compute import read_cache, write_cache
+
     names = [k.name for k, _ in candidates]
     key, path, load = _key(signature, names), _cache_file(), _load_per_core()
-    cached: dict = {}
+    cached = read_cache(path) if use_cache else {}
     if use_cache:
-        try:
-            cached = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            cached = {}
         entry = cached.get(key)
         if isinstance(entry, dict) and (entry.get("load_per_core", 0.0) <= BUSY or load >= entry["load_per_core"] - 0.5):
             return Choice(signature, entry["chosen"], entry["microseconds"], cached=True)
@@ -97,11 +94,5 @@ def choose(layer, candidates: list[tuple[object, object]], signature: str, measu
     chosen = min(names, key=lambda n: micro[n])  # ties: the earlier (registration order)
     if use_cache:
         cached[key] = {"chosen": chosen, "microseconds": micro, "load_per_core": round(load, 2), "signature": signature}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cached, indent=1))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only cache costs the next load another few milliseconds per signature
+        write_cache(path, cached)
     return Choice(signature, chosen, micro)

@@ -4,8 +4,8 @@
 whose in_features are a multiple of 64 and whose groups are multiples of 64: at load the nibbles are
 re-tiled (16 rows per tile, one sequential stream; the same bytes, not a dense copy) and the scales laid out
 per tile; decode-sized batches (up to GEMV_MAX_ROWS rows) run an integer-dot GEMV on the nibbles with x
-in 16-bit block fixed point (see the source: error <= absmax * 2^-16 per element, far below bf16's own),
-larger batches dequantise ~1 MB of rows at a time into x's dtype for the BLAS.
+in 16-bit block fixed point (see the source: error <= absmax * 2^-16 per element, far below bf16's own);
+larger batches take the dense path below.
 
 `cpu-dequant` covers every other weight format the torch ops do not (fp32 activations of shapes the tiles do
 not take, group-wise W8A16, asymmetric or ragged shapes torch refuses, FP8 weights).
@@ -39,8 +39,8 @@ from quantkit.runtime.kernels.base import (NotSupported, Prepared, act_order, de
 
 SOURCE = CSRC / "cpu" / "dequant_gemm.cpp"
 CODES = {"u4": 0, "i8": 1, "e4m3": 2}
-# Batches up to this many rows decode the weight inside the product; larger ones dequantise cache-sized row
-# tiles for the BLAS (the decode is then paid once per tile instead of once per 8 rows of x).
+# Batches up to this many rows decode the weight inside the product; larger ones dequantise the whole weight once
+# into their dtype for one BLAS GEMM (the decode is then paid once instead of once per 8 rows of x).
 GEMV_MAX_ROWS = 16
 
 
