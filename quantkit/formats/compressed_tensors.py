@@ -26,19 +26,28 @@ def pack_quantized(name: str, result: QuantizedWeight, scheme: Scheme, dtype: to
     """The on-disk tensors of one quantised linear, matching `quantized_specs`."""
     tensors = compressor_for(scheme.format).compress(
         scheme.weights, result.q, result.scale, dtype, zero_point=result.zero_point, g_idx=result.g_idx,
-        input_scale=input_scale if scheme.static_activations else None)
+        input_scale=input_scale if scheme.static_activations else None, global_scale=result.global_scale)
     return {f"{name}.{leaf}": t for leaf, t in tensors.items()}
+
+
+# The stored scale dtype compressed-tensors records for fp4 (NVFP4: e4m3, MXFP4: e8m0 exponents in uint8).
+def _fp4_scale_dtype(a) -> str | None:
+    if not a.is_fp4:
+        return None
+    return "torch.float8_e4m3fn" if a.fp4_global else "torch.uint8"
 
 
 def _weight_args(scheme: Scheme, actorder: str | None) -> dict:
     w = scheme.weights
     args = {"num_bits": w.num_bits, "type": w.type, "symmetric": w.symmetric,
-            "group_size": w.group_size if w.strategy == "group" else None, "strategy": w.strategy}
+            "group_size": w.group_size if w.strategy in ("group", "tensor_group") else None, "strategy": w.strategy}
     if w.strategy == "block":
         args["block_structure"] = list(w.block)
     args["dynamic"] = False
     if actorder is not None:
         args["actorder"] = actorder
+    if _fp4_scale_dtype(w):
+        args["scale_dtype"] = _fp4_scale_dtype(w)
     args["observer"] = "minmax"
     return args
 
@@ -47,10 +56,14 @@ def _activation_args(scheme: Scheme) -> dict | None:
     a = scheme.input_activations
     if a is None:
         return None
+    # NVFP4 activations: group scales at run time under a static global one, compressed-tensors' "local".
+    dynamic = "local" if a.fp4_global else a.dynamic
     args = {"num_bits": a.num_bits, "type": a.type, "symmetric": True, "group_size": a.group_size,
-            "strategy": a.strategy, "dynamic": a.dynamic}
-    if not a.dynamic:
-        args["observer"] = "minmax"
+            "strategy": a.strategy, "dynamic": dynamic}
+    if _fp4_scale_dtype(a):
+        args["scale_dtype"] = _fp4_scale_dtype(a)
+    if dynamic is False or dynamic == "local":
+        args["observer"] = "static_minmax" if dynamic == "local" else "minmax"
     return args
 
 

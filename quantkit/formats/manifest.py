@@ -52,16 +52,20 @@ def quantized_weight_stats(folder: Path) -> dict:
     for m in modules:
         if f"{m}.weight_shape" in index:
             out_f, in_f = (int(x) for x in index.get(f"{m}.weight_shape").tolist())
-        else:
+        elif f"{m}.weight" in index:
             out_f, in_f = index.tensors[f"{m}.weight"].shape[:2]
+        else:  # fp4: two e2m1 values a byte
+            out_f, in_f = index.tensors[f"{m}.weight_packed"].shape[0], index.tensors[f"{m}.weight_packed"].shape[1] * 2
         q_weights += out_f * in_f
-        for suffix in ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape"):
+        for suffix in ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape",
+                       "weight_global_scale"):
             if f"{m}.{suffix}" in index:
                 q_bits += index.tensors[f"{m}.{suffix}"].nbytes * 8
     for name, info in index.tensors.items():
         if name.endswith((".weight_packed",)):
             continue
-        if name.endswith((".weight_scale", ".weight_zero_point", ".weight_g_idx", ".weight_shape", "input_scale")):
+        if name.endswith((".weight_scale", ".weight_zero_point", ".weight_g_idx", ".weight_shape", "input_scale",
+                          ".weight_global_scale", ".input_global_scale")):
             continue
         n = 1
         for d in info.shape:

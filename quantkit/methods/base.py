@@ -24,11 +24,12 @@ from quantkit.quant.schemes import Scheme
 
 @dataclass
 class QuantizedWeight:
-    q: torch.Tensor  # [out, in]: int8 values in the scheme's signed range, or float8_e4m3fn
+    q: torch.Tensor  # [out, in]: int8 values in the scheme's signed range, float8_e4m3fn, or fp4 values in fp32
     scale: torch.Tensor  # fp32, stored layout: [out, n_groups] / [out, 1] / [1] / [ceil(out/bh), ceil(in/bw)]
     zero_point: torch.Tensor | None  # int8 [out, n_groups], None when symmetric
     g_idx: torch.Tensor | None = None  # int32 [in]: group of each input column (act-order "group")
     method: str = ""
+    global_scale: torch.Tensor | None = None  # NVFP4's fp32 [1]
 
 
 def _sync_device() -> None:
@@ -62,6 +63,7 @@ class LayerContext:
     active: set[str] | None = None
     input_leaders: dict[str, str] = field(default_factory=dict)
     schedule: str = "two-pass"  # which schedule calibrated this layer (recorded in the manifest)
+    global_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # NVFP4, per linear (see global_scale)
 
     @contextmanager
     def phase(self, name: str):
@@ -79,6 +81,25 @@ class LayerContext:
     def scheme_for(self, name: str) -> Scheme:
         return self.schemes.get(name, self.scheme)
 
+    def global_scale(self, name: str) -> torch.Tensor | None:
+        """NVFP4's global scale of a linear, shared by the linears a serving engine fuses with it (q/k/v,
+        gate/up: vLLM runs them as one matmul under one global scale), from their weights as they are when the
+        first of them is quantised (after any smoothing). None for every other scheme."""
+        if not self.scheme_for(name).weights.fp4_global:
+            return None
+        if name not in self.global_scales:
+            from quantkit.quant.fp4 import nvfp4_global_scale
+            from quantkit.serving.parallel import merge_key
+
+            key = merge_key(name)
+            fused = [n for n in self.targets if key is not None and (merge_key(n) or ("",))[0] == key[0]
+                     and self.scheme_for(n).weights.fp4_global] or [name]
+            absmax = torch.stack([self.targets[n].weight.data.abs().amax().float() for n in fused]).amax()
+            scale = nvfp4_global_scale(absmax.cpu())
+            for n in fused:
+                self.global_scales[n] = scale
+        return self.global_scales[name]
+
     def warn(self, linear: str, what: str) -> None:
         self.events.append({"layer": self.index, "module": self.checkpoint_names.get(linear, linear), "event": what})
 
@@ -88,7 +109,7 @@ class LayerContext:
         linear = self.targets[name]
         args = self.scheme_for(name).weights
         scale = result.scale.to(self.weight_dtype).float()
-        deq = dequantize_any(result.q, scale, result.zero_point, args, result.g_idx)
+        deq = dequantize_any(result.q, scale, result.zero_point, args, result.g_idx, global_scale=result.global_scale)
         # A consumer multiplies in the scale's dtype: round the product the same way.
         linear.weight.data.copy_(deq.to(self.weight_dtype).to(linear.weight.dtype))
         self.results[name] = result

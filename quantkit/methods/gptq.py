@@ -50,7 +50,9 @@ import torch
 from quantkit.errors import InputError
 from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
 from quantkit.quant.integer import SCALE_DTYPE_CODES, group_qparams, round_to_dtype
-from quantkit.quant import QuantArgs, dequantize_weight_args, quantize_weight
+from quantkit.quant import QuantArgs, dequantize_weight_args
+from quantkit.quant.fp4 import fp4_group_scales, round_to_e2m1
+from quantkit.quant.weights import dequantize_any, quantize_any
 
 ACTORDERS = ("static", "group", "none")
 SCALE_MODES = ("updated", "original")
@@ -165,7 +167,7 @@ def column_order(h: torch.Tensor, actorder: str) -> torch.Tensor:
 def column_groups(n: int, args: QuantArgs, perm: torch.Tensor, actorder: str) -> torch.Tensor:
     """Group id of every original column: contiguous groups in the original order, except act-order
     "group", where groups are consecutive runs of the solve order (so a g_idx is needed)."""
-    if args.strategy != "group":
+    if args.strategy not in ("group", "tensor_group"):
         return torch.zeros(n, dtype=torch.long, device=perm.device)
     if actorder == "group":
         groups = torch.empty(n, dtype=torch.long, device=perm.device)
@@ -216,6 +218,7 @@ def gptq_solve(
     mse_grid: int = 20,
     mse_max_shrink: float = 0.2,
     mse_weighting: str = "none",
+    row_global: torch.Tensor | None = None,
 ) -> SolveResult:
     """The blocked GPTQ solve of B independent problems at once.
 
@@ -225,6 +228,10 @@ def gptq_solve(
     error is propagated. With mse_weighting "hessian", a group's scale search weighs each column's squared
     rounding error by 1 / u_kk^2 = 1 / [H_F^-1]_kk, what rounding that column costs when the solve reaches it
     (the per-column loss of the OBQ/GPTQ derivation).
+
+    fp4 weights (NVFP4, MXFP4) solve on the e2m1 grid: a group's stored scale comes from its members' absmax as
+    the solve reaches it (under `row_global` [B, R], each row's NVFP4 global scale), and the result's q holds
+    e2m1 values in fp32.
     """
     bsz, rows, n = weight.shape
     dev = weight.device
@@ -247,7 +254,14 @@ def gptq_solve(
 
     col_cost = 1.0 / torch.diagonal(u, dim1=-2, dim2=-1).float().pow(2) if mse_weighting == "hessian" else None
 
+    fp4 = args.is_fp4
+    if fp4:
+        row_global = torch.ones(bsz, rows, device=dev) if row_global is None else row_global.float()
+
     def set_group(b: int, g: int, values: torch.Tensor) -> None:
+        if fp4:
+            scale_g[b, :, g] = fp4_group_scales(values, args, row_global[b])
+            return
         importance = None if col_cost is None else col_cost[b, members[b][g]]
         s, z = group_qparams(values, args, scale_dtype, mse, mse_grid, mse_max_shrink, importance=importance)
         scale_g[b, :, g], zp_g[b, :, g] = s, z
@@ -274,7 +288,7 @@ def gptq_solve(
             values[:, n_in:] = w[b][:, outside] - err1[b][:, :i] @ u[b][i1 : i1 + i][:, outside]
         set_group(b, g, values)
 
-    ext = column_loop_extension(dev) if n else None
+    ext = column_loop_extension(dev) if n and not fp4 else None
     if ext is not None:
         for i1 in range(0, n, block_size):
             i2 = min(i1 + block_size, n)
@@ -319,7 +333,11 @@ def gptq_solve(
                 col = w1[:, :, i]
                 at = grp_idx[:, :, k : k + 1].expand(bsz, rows, 1)
                 s = scale_g.gather(2, at)[:, :, 0]
-                if sym:
+                if fp4:
+                    s = s / row_global
+                    v = round_to_e2m1((col / s).clamp_(args.qmin, args.qmax))
+                    q, deq = v * 2, v * s  # q: twice the e2m1 value, an integer in [-12, 12]
+                elif sym:
                     q = torch.round(col / s).clamp_(args.qmin, args.qmax)
                     deq = q * s
                 else:
@@ -339,12 +357,15 @@ def gptq_solve(
     del w
     q_out = torch.empty_like(q_p)
     q_out.scatter_(2, perm[:, None, :].expand(bsz, rows, n), q_p)
-    return SolveResult(q_out, scale_g, zp_g)
+    return SolveResult(q_out.float() / 2 if fp4 else q_out, scale_g, zp_g)
 
 
 def stored_weight(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantArgs,
-                  g_idx: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor:
+                  g_idx: torch.Tensor | None, dtype: torch.dtype | None,
+                  global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 weights a consumer computes from a stored (q, scale, zp, g_idx), rounded like the checkpoint."""
+    if args.is_fp4:  # e4m3 or power-of-two scales: exact in any checkpoint dtype
+        return round_to_dtype(dequantize_any(q, scale, None, args, global_scale=global_scale), dtype)
     scale = round_to_dtype(scale.float(), dtype)
     return round_to_dtype(dequantize_weight_args(q, scale, zero_point, args, g_idx), dtype)
 
@@ -405,7 +426,9 @@ class _Problem:
 class GPTQ(Method):
     name = "gptq"
     groupwise = True
-    schemes = ("W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W8A8_STATIC")  # integer weights only
+    # integer and fp4 weights (fp8's grid is fine enough that GPTQ gains nothing over RTN)
+    schemes = ("W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W8A8_STATIC", "W4AFP8", "NVFP4A16", "NVFP4", "MXFP4A16",
+               "MXFP4")
     needs_calibration = True
 
     def __init__(self, scheme, **options):
@@ -564,8 +587,8 @@ class GPTQ(Method):
         args = self.scheme.weights
         w = ctx.targets[name].weight.data.float() if weight is None else weight
         w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
-        q, scale, zp = quantize_weight(w, args, scale_dtype=ctx.weight_dtype)
-        ctx.set_quantized(name, QuantizedWeight(q, scale.float(), None if args.symmetric else zp, method="rtn"))
+        q, scale, zp, gs = quantize_any(w, args, ctx.weight_dtype, ctx.global_scale(name))
+        ctx.set_quantized(name, QuantizedWeight(q, scale, zp, method="rtn", global_scale=gs))
         self.report.append({"layer": ctx.index, "linear": name, "fallback": reason})
 
     def _prepare(self, ctx: LayerContext, p: _Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
@@ -625,6 +648,14 @@ class GPTQ(Method):
 
     def _run_solve(self, ctx: LayerContext, weight: torch.Tensor, ready: list):
         cfg, args = self.config, self.scheme.weights
+        row_global = None
+        if args.fp4_global:
+            row_global = torch.ones(weight.shape[:2], device=weight.device)
+            for b, (p, *_rest) in enumerate(ready):
+                off = 0
+                for name, r in zip(p.names, p.rows):
+                    row_global[b, off : off + r] = ctx.global_scale(name).to(weight.device)
+                    off += r
         return gptq_solve(
             weight,
             _stack([r[2] for r in ready]),
@@ -638,6 +669,7 @@ class GPTQ(Method):
             mse_grid=cfg.mse_grid,
             mse_max_shrink=cfg.mse_max_shrink,
             mse_weighting=cfg.mse_weighting,
+            row_global=row_global,
         )
 
     def _keep_or_fall_back(self, ctx: LayerContext, ready: list, result) -> None:
@@ -656,11 +688,11 @@ class GPTQ(Method):
                     continue
                 g_idx = col_group.to(torch.int32) if self.writes_g_idx else None
                 zero_point = None if args.symmetric else zi.round().to(torch.int8)
+                gs = ctx.global_scale(name)
                 with ctx.phase("error_report"):
-                    approx = stored_weight(qi, si, zero_point, args, g_idx, ctx.weight_dtype)
-                    q_rtn, s_rtn, z_rtn = quantize_weight(w, args, scale_dtype=ctx.weight_dtype)
-                    rtn_zp = None if args.symmetric else z_rtn
-                    rtn_approx = stored_weight(q_rtn, s_rtn.float(), rtn_zp, args, None, ctx.weight_dtype)
+                    approx = stored_weight(qi, si, zero_point, args, g_idx, ctx.weight_dtype, gs)
+                    q_rtn, s_rtn, rtn_zp, _ = quantize_any(w, args, ctx.weight_dtype, gs)
+                    rtn_approx = stored_weight(q_rtn, s_rtn, rtn_zp, args, None, ctx.weight_dtype, gs)
                     err, err_rtn = relative_output_errors(w, [approx, rtn_approx], p.h, p.perm,
                                                           matmul_dtype=ctx.matmul_dtype)
                 entry = {"layer": ctx.index, "linear": name, "gptq": err, "rtn": err_rtn, "damp": damp}
@@ -670,7 +702,8 @@ class GPTQ(Method):
                     self._rtn(ctx, name, "worse-than-rtn", w)
                     ctx.linear_errors[name] = err_rtn
                     continue
-                ctx.set_quantized(name, QuantizedWeight(qi, si, zero_point, g_idx=g_idx, method=self.name))
+                ctx.set_quantized(name, QuantizedWeight(qi, si, zero_point, g_idx=g_idx, method=self.name,
+                                                        global_scale=gs))
                 ctx.linear_errors[name] = err
                 self.report.append(entry)
 
@@ -681,4 +714,5 @@ def _to_cpu(r: QuantizedWeight) -> QuantizedWeight:
 
 def _to_device(r: QuantizedWeight, device) -> QuantizedWeight:
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return QuantizedWeight(move(r.q), move(r.scale), move(r.zero_point), move(r.g_idx), r.method)
+    return QuantizedWeight(move(r.q), move(r.scale), move(r.zero_point), move(r.g_idx), r.method,
+                           move(r.global_scale))

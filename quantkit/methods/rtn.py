@@ -10,7 +10,7 @@
               multiplies on calibration text (llama.cpp's importance matrix). Only the few samples that flow
               anyway to measure each layer's error (`calibration.error_samples`, 8 x seq_len tokens) are used:
               measured on SmolLM2, 8 samples gave the same held-out KL as 128.
-Float (fp8) weights always use the plain range.
+Float (fp8, fp4) weights always use the plain range.
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ class RTN(Method):
                 q, scale, zp = quantize_weight(weight, args, scale, zp, scale_dtype=ctx.weight_dtype)
                 result = QuantizedWeight(q, scale.float(), None if args.symmetric else zp, method=self.name)
             else:
-                q, scale, zp = quantize_any(weight, args, ctx.weight_dtype)
-                result = QuantizedWeight(q, scale, zp, method=self.name)
+                q, scale, zp, global_scale = quantize_any(weight, args, ctx.weight_dtype, ctx.global_scale(name))
+                result = QuantizedWeight(q, scale, zp, global_scale=global_scale, method=self.name)
             ctx.set_quantized(name, result)
         if ctx.active is None:
             self._reset()

@@ -32,7 +32,7 @@ from quantkit.quant.smoothing import (
     weight_column_absmax,
 )
 
-ACTIVATION_SCHEMES = ("W8A8", "W8A8_STATIC", "FP8", "FP8_DYNAMIC", "FP8_BLOCK")
+ACTIVATION_SCHEMES = ("W8A8", "W8A8_STATIC", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "W4AFP8", "NVFP4", "MXFP4")
 
 
 @dataclass(frozen=True)

@@ -113,11 +113,15 @@ def plan_layers(handle: ModelHandle, scheme: Scheme, ignore: list[str], strict: 
 
 def check_group_divisibility(plans: list[LayerPlan], scheme: Scheme) -> None:
     args = scheme.weights
-    if args.strategy != "group":
+    if args.strategy not in ("group", "tensor_group"):
         return
     widths = {t.in_features for p in plans for t in p.targets}
     for p in plans:
         for t in p.targets:
+            if t.in_features % args.group_size and args.is_fp4:
+                raise InputError(
+                    f"{t.checkpoint} has {t.in_features} input features, not a multiple of {scheme.name}'s groups of "
+                    f"{args.group_size}; leave it unquantised with --ignore {t.checkpoint}")
             if t.in_features % args.group_size:
                 fits = [g for g in (args.group_size // 2**k for k in range(1, 8)) if g >= 8 and all(w % g == 0 for w in widths)]
                 hint = f"--group-size {fits[0]}" if fits else "--group-size -1 (per channel)"
@@ -550,11 +554,15 @@ def _observe_absmax(ctx: LayerContext, name: str):
 
 def _static_input_scale(ctx: LayerContext, name: str) -> torch.Tensor:
     """Static per-tensor activation scale from the calibration absmax (int8: /127.5, fp8 e4m3: /448),
-    rounded to the checkpoint dtype as it will be stored."""
+    rounded to the checkpoint dtype as it will be stored; NVFP4's fp32 global scale 448 * 6 / absmax."""
     acts = ctx.scheme_for(name).input_activations
     absmax = ctx.input_absmax.get(name)
     if absmax is None or not torch.isfinite(absmax):
         raise RunError(f"layer {ctx.index}: no finite calibration statistics for {ctx.checkpoint_names[name]}")
+    if acts.fp4_global:
+        from quantkit.quant.fp4 import nvfp4_global_scale
+
+        return nvfp4_global_scale(absmax).to(absmax.device)
     half_range = 448.0 if acts.type == "float" else ((1 << acts.num_bits) - 1) / 2
     scale = (absmax / half_range).reshape(1)
     scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(ctx.weight_dtype).eps), scale)
@@ -571,6 +579,8 @@ def _simulate_activations(ctx: LayerContext, name: str, input_scale: torch.Tenso
         if only_quantized and name not in ctx.results:
             return None
         x = inputs[0]
+        if args.fp4_global:  # NVFP4: the static part is a global scale, kept in fp32
+            return (quantize_activation(x, args, input_global_scale=input_scale),) + inputs[1:]
         return (quantize_activation(x, args, None if input_scale is None else input_scale.to(x.dtype)),) + inputs[1:]
 
     return ctx.targets[name].register_forward_pre_hook(hook)

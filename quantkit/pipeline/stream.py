@@ -195,7 +195,7 @@ def _quantize_one(handle: ModelHandle, target, weight_dtype: torch.dtype) -> dic
             f"{target.checkpoint} has {bad} inf/NaN weight(s), which FP8 cannot represent; "
             f"repair the checkpoint or leave the layer unquantised with --ignore"
         )
-    qv, scale, _ = quantize_any(w, target.scheme.weights, weight_dtype)
+    qv, scale, *_ = quantize_any(w, target.scheme.weights, weight_dtype)
     return pack_quantized(target.checkpoint, QuantizedWeight(qv, scale, None, method="fp8"), target.scheme, weight_dtype)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.quant.args import QuantArgs
+from quantkit.quant.fp4 import fake_quantize_fp4_activation
 from quantkit.quant.fp8 import scale_from_absmax
 
 
@@ -56,8 +57,12 @@ def activation_codes(x: torch.Tensor, args: QuantArgs, input_scale: torch.Tensor
 
 
 def quantize_activation(x: torch.Tensor, args: QuantArgs, input_scale: torch.Tensor | None = None,
-                        input_zero_point: torch.Tensor | None = None) -> torch.Tensor:
-    """Fake-quantise activations (quantise then dequantise) in x's dtype."""
+                        input_zero_point: torch.Tensor | None = None,
+                        input_global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Fake-quantise activations (quantise then dequantise) in x's dtype. fp4 (MXFP4, NVFP4) activations take
+    dynamic group scales, NVFP4's under the static `input_global_scale`."""
+    if args.is_fp4:
+        return fake_quantize_fp4_activation(x, args, input_global_scale)
     shape = x.shape
     q, scale, zp = activation_codes(x, args, input_scale, input_zero_point)
     out = q.to(scale.dtype)

@@ -8,15 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STRATEGIES = ("tensor", "channel", "group", "block", "token")
+STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group")
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+FP4_MAX = 6.0  # e2m1's largest value
+# fp4 (e2m1) comes in two layouts: NVFP4, groups of 16 under e4m3 scales and a tensor-wide global scale
+# (strategy "tensor_group"), and MXFP4, groups of 32 under power-of-two e8m0 scales (strategy "group").
+FP4_GROUPS = {"tensor_group": 16, "group": 32}
 
 
 @dataclass(frozen=True)
 class QuantArgs:
     num_bits: int = 4
     symmetric: bool = True
-    strategy: str = "group"  # tensor | channel | group | block (fp8 weights) | token (activations)
+    strategy: str = "group"  # tensor | channel | group | block (fp8 weights) | token (activations) | tensor_group
+    # (NVFP4: e4m3 group scales under a global scale; for activations the group scales are dynamic, the global
+    # one static, compressed-tensors' dynamic "local")
     group_size: int | None = 128  # the group strategy's; None for every other strategy
     type: str = "int"  # "int" | "float" (fp8 e4m3)
     block: tuple[int, int] | None = None  # [rows, cols] of a weight block, for strategy "block"
@@ -28,11 +34,18 @@ class QuantArgs:
             raise ValueError(f"unknown quantisation type {self.type!r}")
         if not 1 <= self.num_bits <= 8:
             raise ValueError(f"num_bits must be in 1..8, got {self.num_bits}")
-        if self.type == "float" and self.num_bits != 8:
-            raise ValueError(f"{self.num_bits}-bit float quantisation is not supported (fp8 e4m3 only)")
+        if self.type == "float" and self.num_bits not in (4, 8):
+            raise ValueError(f"{self.num_bits}-bit float quantisation is not supported (fp8 e4m3 and fp4 e2m1 only)")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}")
-        if self.strategy == "group":
+        if self.is_fp4:
+            want = FP4_GROUPS.get(self.strategy)
+            if want is None or self.group_size != want or not self.symmetric:
+                raise ValueError("fp4 is NVFP4 (symmetric, tensor_group of 16) or MXFP4 (symmetric, group of 32); got "
+                                 f"{self.strategy} with group size {self.group_size}")
+        elif self.strategy == "tensor_group":
+            raise ValueError("the tensor_group strategy is fp4's (NVFP4) only")
+        if self.strategy in ("group", "tensor_group"):
             if self.group_size is None or self.group_size <= 0:
                 raise ValueError("group strategy needs a positive group_size")
         elif self.group_size is not None:
@@ -45,12 +58,27 @@ class QuantArgs:
             object.__setattr__(self, "block", None)
 
     @property
+    def is_fp4(self) -> bool:
+        return self.type == "float" and self.num_bits == 4
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.type == "float" and self.num_bits == 8
+
+    @property
+    def fp4_global(self) -> bool:
+        """NVFP4's layout: a tensor-wide global scale over e4m3 group scales."""
+        return self.is_fp4 and self.strategy == "tensor_group"
+
+    @property
     def qmin(self) -> int | float:
-        return -FP8_MAX if self.type == "float" else -(1 << (self.num_bits - 1))
+        return -self.qmax if self.type == "float" else -(1 << (self.num_bits - 1))
 
     @property
     def qmax(self) -> int | float:
-        return FP8_MAX if self.type == "float" else (1 << (self.num_bits - 1)) - 1
+        if self.type == "float":
+            return FP4_MAX if self.num_bits == 4 else FP8_MAX
+        return (1 << (self.num_bits - 1)) - 1
 
     @property
     def half_range(self) -> float:
@@ -58,6 +86,6 @@ class QuantArgs:
         return (self.qmax - self.qmin) / 2
 
     def num_groups(self, in_features: int) -> int:
-        if self.strategy == "group":
+        if self.strategy in ("group", "tensor_group"):
             return -(-in_features // self.group_size)
         return 1

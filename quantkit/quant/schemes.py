@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from quantkit.errors import InputError
-from quantkit.quant.args import QuantArgs
+from quantkit.quant.args import FP4_GROUPS, QuantArgs
 
 BLOCK = (128, 128)
 
@@ -35,6 +35,10 @@ def _inputs(kind: str, strategy: str, dynamic: bool) -> QuantArgs:
     return QuantArgs(num_bits=8, type=kind, strategy=strategy, dynamic=dynamic, group_size=BLOCK[1])
 
 
+def _fp4(strategy: str, dynamic: bool = False) -> QuantArgs:
+    return QuantArgs(num_bits=4, type="float", strategy=strategy, group_size=FP4_GROUPS[strategy], dynamic=dynamic)
+
+
 _SCHEMES: dict[str, tuple[QuantArgs, str, QuantArgs | None, str]] = {
     "W4A16": (_weights(4), "pack-quantized", None, "4-bit symmetric weights, 16-bit activations"),
     "W4A16_ASYM": (_weights(4, False), "pack-quantized", None, "4-bit asymmetric weights with zero points"),
@@ -49,6 +53,16 @@ _SCHEMES: dict[str, tuple[QuantArgs, str, QuantArgs | None, str]] = {
                     "fp8 e4m3 per-channel weights, dynamic per-token fp8 activations"),
     "FP8_BLOCK": (_weights(8, strategy="block", kind="float"), "float-quantized", _inputs("float", "group", True),
                   "fp8 e4m3 128x128 weight blocks, dynamic 1x128 fp8 activation groups (DeepSeek-V3 style)"),
+    "W4AFP8": (_weights(4), "pack-quantized", _inputs("float", "token", True),
+               "4-bit symmetric weight groups, dynamic per-token fp8 activations"),
+    "NVFP4A16": (_fp4("tensor_group"), "nvfp4-pack-quantized", None,
+                 "fp4 e2m1 weights in groups of 16 with e4m3 scales and a global scale, 16-bit activations"),
+    "NVFP4": (_fp4("tensor_group"), "nvfp4-pack-quantized", _fp4("tensor_group"),
+              "NVFP4 weights and activations (dynamic e4m3 group scales under a calibrated global scale)"),
+    "MXFP4A16": (_fp4("group"), "mxfp4-pack-quantized", None,
+                 "fp4 e2m1 weights in groups of 32 with power-of-two (e8m0) scales, 16-bit activations"),
+    "MXFP4": (_fp4("group"), "mxfp4-pack-quantized", _fp4("group", dynamic=True),
+              "MXFP4 weights and dynamic MXFP4 activations"),
 }
 
 SCHEMES: dict[str, str] = {name: spec[3] for name, spec in _SCHEMES.items()}
@@ -61,7 +75,7 @@ def get_scheme(name: str, group_size: int | None = 128) -> Scheme:
     if key not in _SCHEMES:
         raise InputError(f"unknown scheme {name!r}; valid schemes: {', '.join(SCHEMES)}")
     args, fmt, acts, _ = _SCHEMES[key]
-    if fmt == "pack-quantized":
+    if fmt == "pack-quantized" and args.strategy == "group":
         if group_size is not None and group_size != -1 and group_size <= 0:
             raise InputError(f"invalid group size {group_size}: use a positive number or -1 for per-channel")
         if group_size is None or group_size == -1:

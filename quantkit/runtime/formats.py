@@ -3,7 +3,8 @@
 A config group names its targets (a class name such as "Linear", an exact module name, or "re:" + a regex
 on the module name) and gives weight and input-activation arguments plus an on-disk format. The runtime
 understands pack-quantized (int weights bit-packed into int32), int-quantized / naive-quantized (int8
-weights) and float-quantized (float8_e4m3fn weights); anything else is refused with one clear line.
+weights), float-quantized (float8_e4m3fn weights) and nvfp4- / mxfp4-pack-quantized (e2m1 weights two to a
+byte); anything else is refused with one clear line.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from quantkit.formats.compressors import COMPRESSORS, Compressor, compressor_for
 from quantkit.quant.args import QuantArgs
 
 SUPPORTED_FORMATS = tuple(COMPRESSORS)
-WEIGHT_TENSORS = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
-INPUT_TENSORS = ("input_scale", "input_zero_point")
+WEIGHT_TENSORS = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape",
+                  "weight_global_scale")
+INPUT_TENSORS = ("input_scale", "input_zero_point", "input_global_scale")
 
 
 @dataclass(frozen=True)
@@ -32,10 +34,14 @@ class LinearFormat:
 
     @property
     def kind(self) -> str:
-        """The op family a kernel registers for: w4a16 / w8a16 / int8 (W8A8) / fp8."""
+        """The op family a kernel registers for: w4a16 / w8a16 / int8 (W8A8) / fp8 / w4afp8 / nvfp4 / mxfp4."""
+        if self.weights.is_fp4:
+            return "nvfp4" if self.weights.fp4_global else "mxfp4"
         if self.weights.type == "float":
             return "fp8"
         if self.input is not None:
+            if self.input.type == "float":
+                return f"w{self.weights.num_bits}afp8"
             return f"int{self.input.num_bits}"
         return f"w{self.weights.num_bits}a16"
 
@@ -71,18 +77,20 @@ def _args(raw: dict | None, where: str, activation: bool) -> QuantArgs | None:
     dynamic = raw.get("dynamic", False)
     if kind not in ("int", "float"):
         raise InputError(f"{where}: quantisation type {kind!r} is not supported by quantkit's runtime")
-    if kind == "float" and bits != 8:
-        raise InputError(f"{where}: {bits}-bit float quantisation (e.g. NVFP4) is not supported by quantkit's runtime")
+    if kind == "float" and bits not in (4, 8):
+        raise InputError(f"{where}: {bits}-bit float quantisation is not supported by quantkit's runtime")
+    if dynamic == "local" and strategy == "tensor_group":
+        dynamic = False  # NVFP4 activations: dynamic group scales under the stored global one (QuantArgs' spelling)
     if dynamic not in (True, False):
         raise InputError(f"{where}: dynamic={dynamic!r} activations are not supported by quantkit's runtime")
     if activation and dynamic and not raw.get("symmetric", True):
         raise InputError(f"{where}: asymmetric dynamic activations are not supported by quantkit's runtime")
-    if strategy not in ("tensor", "channel", "group", "block", "token"):
+    if strategy not in ("tensor", "channel", "group", "block", "token", "tensor_group"):
         raise InputError(f"{where}: strategy {strategy!r} is not supported by quantkit's runtime")
     block = raw.get("block_structure")
     actorder = raw.get("actorder")
     group_size = raw.get("group_size")
-    if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+    if strategy in ("group", "tensor_group") and not (isinstance(group_size, int) and group_size > 0):
         raise InputError(f"{where}: group strategy with group_size {group_size!r} (a positive number is needed)")
     if strategy == "block" and not (isinstance(block, (list, tuple)) and len(block) == 2
                                     and all(isinstance(b, int) and b > 0 for b in block)):
@@ -121,9 +129,14 @@ def parse_quantization_config(qc: dict, where: str) -> QuantConfig:
         weights = _args(group.get("weights"), f"{where} {gname} weights", activation=False)
         if weights is None:
             raise InputError(f"{where}: config group {gname} has no weight quantisation")
-        expected = {"float-quantized": "float", "int-quantized": "int", "pack-quantized": "int"}.get(fmt)
+        expected = {"float-quantized": "float", "int-quantized": "int", "pack-quantized": "int",
+                    "nvfp4-pack-quantized": "float", "mxfp4-pack-quantized": "float"}.get(fmt)
         if expected and weights.type != expected:
             raise InputError(f"{where}: config group {gname} is {fmt} but its weights are of type {weights.type}")
+        fp4_layout = {"nvfp4-pack-quantized": "tensor_group", "mxfp4-pack-quantized": "group"}.get(fmt)
+        if (fp4_layout is not None) != weights.is_fp4 or (fp4_layout and weights.strategy != fp4_layout):
+            raise InputError(f"{where}: config group {gname} is {fmt} but its weights are {weights.num_bits}-bit "
+                             f"{weights.type} with strategy {weights.strategy}")
         inputs = _args(group.get("input_activations"), f"{where} {gname} input activations", activation=True)
         groups.append((tuple(group.get("targets") or ("Linear",)), LinearFormat(fmt, weights, inputs)))
     if not groups:

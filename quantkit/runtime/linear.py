@@ -55,7 +55,10 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, tensors.get(name))
         self.bias = None if bias is None else dense_parameter(bias)
         # The dtype activations arrive in (kernels pick their layout for it); default: the scales' dtype.
-        self.compute_dtype = compute_dtype or tensors["weight_scale"].dtype
+        scale_dtype = tensors["weight_scale"].dtype
+        if compute_dtype is None and not (scale_dtype.is_floating_point and scale_dtype.itemsize >= 2):
+            compute_dtype = torch.bfloat16  # fp4's e4m3 / e8m0 scales say nothing of the model's dtype
+        self.compute_dtype = compute_dtype or scale_dtype
         self.kernel = None  # None: the torch reference on the checkpoint tensors
         self.prepared = None
 

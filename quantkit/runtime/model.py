@@ -215,8 +215,10 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
                    if f"{ckpt}.{t}" in index}
         if fmt.compressor.values_tensor not in tensors:
             raise InputError(f"{path}: {ckpt} is {fmt.format} but has no {fmt.compressor.values_tensor} tensor")
-        if fmt.input is not None and not fmt.input.dynamic and "input_scale" not in tensors:
-            raise InputError(f"{path}: {ckpt} has static activation quantisation but no input_scale")
+        static = None if fmt.input is None or fmt.input.dynamic else (
+            "input_global_scale" if fmt.input.fp4_global else "input_scale")
+        if static is not None and static not in tensors:
+            raise InputError(f"{path}: {ckpt} has static activation quantisation but no {static}")
         check_linear_tensors(str(path), ckpt, fmt, tensors, module.in_features, module.out_features)
         bias = _read(index, f"{ckpt}.bias", device, dtype) if module.bias is not None else None
         _set(model, name, QuantLinear(fmt, tensors, module.in_features, module.out_features, bias, dtype))

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.quant.activations import _dynamic_scale, quantize_activation  # noqa: F401  (re-exported)
+from quantkit.quant.fp4 import dequantize_fp4
 from quantkit.quant.fp8 import expand_block_scale
 from quantkit.quant.integer import dequantize
 from quantkit.quant.args import QuantArgs
@@ -76,6 +77,10 @@ def dequantize_weight(layer, dtype: torch.dtype | None = None, rows: Rows = None
     so it is not rounded to the narrower one first."""
     args = layer.fmt.weights
     q = integer_weight(layer, rows)
+    if args.is_fp4:
+        scale = layer.fmt.compressor.scale_values(_stored(layer), rows)
+        return dequantize_fp4(q, scale, args.group_size, getattr(layer, "weight_global_scale", None),
+                              dtype or torch.float32)
     scale = layer.weight_scale
     if dtype is not None and dtype.is_floating_point and torch.finfo(dtype).bits > torch.finfo(scale.dtype).bits:
         scale = scale.to(dtype)
@@ -93,7 +98,7 @@ def linear(x: torch.Tensor, layer) -> torch.Tensor:
     dequantised for this call only."""
     if layer.fmt.input is not None:
         x = quantize_activation(x, layer.fmt.input, getattr(layer, "input_scale", None),
-                                getattr(layer, "input_zero_point", None))
+                                getattr(layer, "input_zero_point", None), getattr(layer, "input_global_scale", None))
     n = layer.out_features
     step = max(1, TILE_ELEMENTS // max(layer.in_features, 1))
     if step >= n:

@@ -61,8 +61,17 @@ def check_linear_tensors(where: str, name: str, fmt: LinearFormat, tensors: dict
         what = f"groups of {w.group_size}" if w.strategy == "group" else w.strategy
         bad("weight_scale", f"has shape {_shape(scale)} but {w.strategy} scales of a [{n}, {k}] weight ({what}) "
             f"are {list(want_scale)}")
-    if not scale.is_floating_point():
+    want_dtype = compressor.scale_dtype
+    if want_dtype is not None and scale.dtype != want_dtype:
+        bad("weight_scale", f"is {_name(scale.dtype)} but {fmt.format} stores {_name(want_dtype)} scales")
+    if want_dtype is None and not scale.is_floating_point():
         bad("weight_scale", f"is {_name(scale.dtype)}, not a floating-point tensor")
+    if w.fp4_global:
+        gs = tensors.get("weight_global_scale")
+        if gs is None or gs.numel() != 1:
+            bad("weight_global_scale", "is missing or not one value, but NVFP4 weights need one global scale")
+    if fmt.weights.is_fp4 and k % w.group_size:
+        bad(compressor.values_tensor, f"covers {k} input columns, not a multiple of fp4's groups of {w.group_size}")
     zp = tensors.get("weight_zero_point")
     if not w.symmetric:
         if zp is None:

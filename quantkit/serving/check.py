@@ -40,6 +40,10 @@ class ServingTarget:
 
 def _family(fmt) -> str:
     w = fmt.weights
+    if w.is_fp4:
+        return "nvfp4" if w.fp4_global else "mxfp4"
+    if w.type == "int" and fmt.input is not None and fmt.input.type == "float":
+        return "w4afp8"
     if w.type == "float":
         return "fp8_block" if w.strategy == "block" else "fp8"
     return "int8" if fmt.input is not None else "wna16"

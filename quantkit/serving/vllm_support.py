@@ -29,7 +29,7 @@ class Kernel:
     """One vLLM linear kernel and what its is_supported / can_implement accept."""
 
     name: str
-    family: str  # wna16 | int8 | fp8 | fp8_block
+    family: str  # wna16 | int8 | fp8 | fp8_block | nvfp4 | mxfp4 | w4afp8
     platform: str  # cuda | cpu
     min_cc: int | None = None  # compute capability x10 (sm_80 -> 80); None on CPU
     max_cc: int | None = None
@@ -74,6 +74,13 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("TritonFp8BlockScaledMMKernel", "fp8_block", "cuda", min_cc=89, bits=(8,)),
     Kernel("MarlinFP8 (CompressedTensorsW8A16Fp8, block)", "fp8_block", "cuda", min_cc=80, max_cc=88, bits=(8,),
            n_multiple=64, k_multiple=128, weight_only=True, note="needs vLLM >= 0.15 (vllm#33280)"),
+    # fp4 and W4AFP8 (compressed_tensors.py _get_scheme_from_parts in vLLM 0.32.0; get_min_capability of each
+    # scheme): CompressedTensorsW4A4Fp4 (NVFP4, NVFP4A16) from sm_75 (FlashInfer/CUTLASS fp4 on sm_100, Marlin or
+    # emulation below), CompressedTensorsW4A4Mxfp4 from sm_80, CompressedTensorsW4A8Fp8 only when the GPU is exactly
+    # sm_90 (`_is_fp8_w4a8_sm90`, match_exact). No CPU entry: the CPU build has none of them.
+    Kernel("CompressedTensorsW4A4Fp4", "nvfp4", "cuda", min_cc=75, bits=(4,)),
+    Kernel("CompressedTensorsW4A4Mxfp4", "mxfp4", "cuda", min_cc=80, bits=(4,)),
+    Kernel("CompressedTensorsW4A8Fp8", "w4afp8", "cuda", min_cc=90, max_cc=90, bits=(4,)),
 )
 
 

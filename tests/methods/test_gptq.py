@@ -463,3 +463,77 @@ def test_hessian_weighted_scale_search_picks_the_weighted_grid_optimum():
         best_err, expected = torch.where(better, err, best_err), torch.where(better, scale, expected)
     torch.testing.assert_close(weighted, expected)
     assert not torch.equal(weighted, plain)  # the weights matter on uneven inputs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fp4 grids (NVFP4, MXFP4)
+# ---------------------------------------------------------------------------------------------------------
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _nearest_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Nearest signed e2m1 value by distance to every grid point (ties, measure zero here, to the smaller)."""
+    grid = torch.cat([-E2M1.flip(0), E2M1]).double()
+    return grid[(v.clamp(-6, 6)[:, None] - grid[None]).abs().argmin(dim=1)]
+
+
+def _plain_fp4_scale(cols: torch.Tensor, nv: bool, global_scale: float) -> torch.Tensor:
+    """Per-row effective scale of one group from the NVFP4 / OCP MX definitions, written out independently."""
+    absmax = cols.abs().amax(dim=1).float()
+    if nv:
+        stored = (absmax / 6 * global_scale).to(torch.float8_e4m3fn).float()
+        stored = torch.where(stored == 0, torch.full_like(stored, 0.125), stored)
+        return (stored / global_scale).double()
+    exps = torch.floor(torch.log2(absmax.clamp(min=1e-38)))
+    frac = absmax / torch.exp2(exps)  # in [1, 2): 1.75 and above takes the next power of two
+    exps = exps + (frac >= 1.75).float()
+    return torch.exp2(exps - 2).double()
+
+
+def reference_gptq_fp4(w: torch.Tensor, h: torch.Tensor, nv: bool, damp: float) -> tuple[torch.Tensor, float]:
+    """Algorithm 1 of the GPTQ paper over the e2m1 grid, no act-order, groups scaled when first reached."""
+    rows, n = w.shape
+    group = 16 if nv else 32
+    global_scale = 448 * 6 / float(w.abs().max()) if nv else 1.0
+    w = w.clone().double()
+    h = h.clone().double()
+    for i in range(n):
+        if h[i, i] <= 0:
+            h[i, i] = 1.0
+    h += damp * torch.diag(h).mean() * torch.eye(n, dtype=h.dtype)
+    hinv = torch.linalg.cholesky(torch.linalg.inv(h), upper=True)
+    q = torch.zeros(rows, n, dtype=torch.float64)
+    s = None
+    for i in range(n):
+        if i % group == 0:
+            s = _plain_fp4_scale(w[:, i : i + group], nv, global_scale)
+        qi = _nearest_e2m1(w[:, i] / s)
+        deq = _bf16((qi * s).float()).double()
+        err = (w[:, i] - deq) / hinv[i, i]
+        w[:, i:] -= err[:, None] * hinv[i, i:][None, :]
+        q[:, i] = qi
+    return q.float(), global_scale
+
+
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "MXFP4A16"])
+def test_fp4_solver_matches_plain_reference_and_beats_rtn(scheme):
+    from quantkit.quant.fp4 import nvfp4_global_scale
+    from quantkit.quant.weights import quantize_any
+
+    args = get_scheme(scheme).weights
+    w, h = _problem(7)
+    ref, _ = reference_gptq_fp4(w, h, args.fp4_global, 0.01)
+    perm = column_order(h, "none")
+    u, ok = inverse_cholesky(dampen(h, 0.01)[0][None])
+    groups = column_groups(h.shape[0], args, perm, "none")
+    gs = nvfp4_global_scale(w.abs().amax()) if args.fp4_global else None
+    row_global = None if gs is None else gs.expand(1, w.shape[0])
+    res = gptq_solve(w[None], u, perm[None], groups[None], args, torch.bfloat16, "updated", 96,
+                     row_global=row_global)
+    agree = (res.q[0] == ref).float().mean().item()
+    assert agree > 0.995, agree
+    approx = stored_weight(res.q[0], res.scale[0], None, args, None, torch.bfloat16, gs)
+    rtn = quantize_any(w, args, torch.bfloat16, gs)
+    err_rtn = relative_output_error(w, stored_weight(rtn.q, rtn.scale, None, args, None, torch.bfloat16, gs), h)
+    assert relative_output_error(w, approx, h) < 0.8 * err_rtn

@@ -67,8 +67,8 @@ def test_block_absmax_matches_explicit_padding():
 def test_quantize_any_scale_layouts(scheme):
     args = get_scheme(scheme).weights
     w = torch.randn(300, 256, generator=torch.Generator().manual_seed(3))
-    q, scale, zp = quantize_any(w, args, torch.bfloat16)
-    assert zp is None and q.dtype == torch.float8_e4m3fn
+    q, scale, zp, global_scale = quantize_any(w, args, torch.bfloat16)
+    assert zp is None and global_scale is None and q.dtype == torch.float8_e4m3fn
     assert scale.shape == {"tensor": (1,), "channel": (300, 1), "block": (3, 2)}[args.strategy]
     assert torch.equal(scale, scale.to(torch.bfloat16).float())  # rounded to the checkpoint dtype first
 

@@ -83,6 +83,6 @@ def test_fake_quantize_in_a_checkpoint_dtype_matches_the_stored_values():
 
     w = torch.randn(16, 64)
     for args in (QuantArgs(4, True, "group", 32), QuantArgs(4, False, "group", 32), QuantArgs(8, True, "channel", None)):
-        q, scale, zp = quantize_any(w, args, torch.bfloat16)
+        q, scale, zp, _ = quantize_any(w, args, torch.bfloat16)
         ref = dequantize_any(q, scale, zp, args).to(torch.bfloat16).float()
         torch.testing.assert_close(fake_quantize(w, args, torch.bfloat16), ref, rtol=0, atol=0)
