@@ -130,7 +130,7 @@ def _print_json(obj) -> None:
 def quantize(
     model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file or hub id (default: embedded SmolLM2-135M)."),
     method: Optional[str] = typer.Option(None, "--method", help="rtn, gptq, awq, smoothquant (= smoothquant+rtn), fp8 (data-free with FP8_DYNAMIC/FP8_BLOCK); compose with +, e.g. smoothquant+gptq, awq+gptq (default: the recipe's, else rtn)."),
-    scheme: Optional[str] = typer.Option(None, "--scheme", help="W4A16, W4A16_ASYM, W8A16, W8A8, W8A8_STATIC, FP8, FP8_DYNAMIC, FP8_BLOCK (default: the recipe's, else W4A16)."),
+    scheme: Optional[str] = typer.Option(None, "--scheme", help="W4A16, W4A16_ASYM, W8A16, W8A8, W8A8_STATIC, FP8, FP8_DYNAMIC, FP8_BLOCK, W4AFP8, NVFP4A16, NVFP4, MXFP4A16, MXFP4 (default: the recipe's, else W4A16)."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Weights per scale (default 128); -1 = per output channel."),
     ignore: Optional[list[str]] = typer.Option(None, "--ignore", help="Module name or re:pattern to leave unquantised (repeatable)."),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="kjv (built in), a .txt/.jsonl/.json/.parquet/.csv file, or an HF dataset."),
@@ -149,6 +149,7 @@ def quantize(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     compute_dtype: str = typer.Option("auto", "--compute-dtype", help="Calibration matmul dtype: auto (the faster of bf16 and fp32 on this machine, measured once), bfloat16 or float32."),
     strict: bool = typer.Option(False, "--strict", help="Refuse layers that cannot take the scheme instead of falling back."),
+    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="Also calibrate an fp8 KV cache: fp8 (one key and one value scale per layer) or fp8-head (per KV head); written as kv_cache_scheme with k_scale / v_scale, as vLLM loads them."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size you will serve with: warn about linears vLLM could not split."),
     alpha: Optional[float] = typer.Option(None, "--alpha", help="SmoothQuant migration strength in [0, 1] (default 0.8)."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the checkpoint (off by default)."),
@@ -165,7 +166,7 @@ def quantize(
         rec = Recipe.load(recipe) if recipe else Recipe()
         rec.override("model", source=model, trust_remote_code=trust_remote_code or None)
         rec.override("quantization", method=method, scheme=scheme, group_size=group_size, ignore=ignore or None,
-                     strict=strict or None)
+                     strict=strict or None, kv_cache=kv_cache)
         gptq_flags = {k: v for k, v in (("actorder", actorder), ("dampening", dampening)) if v is not None}
         if gptq_flags:
             rec.quantization.options = {**rec.quantization.options,
@@ -445,6 +446,7 @@ def eval_cmd(
     kernels: str = typer.Option("auto", "--kernels", help="auto (the fastest kernel for each format and device), reference (the exact torch reference everywhere) or cuda-emulated (a slow developer check: the CUDA kernels of csrc/ on the CPU emulator, behind the same dispatch as on a GPU)."),
     batch_size: int = typer.Option(4, "--batch-size", help="Blocks per forward pass."),
     seed: int = typer.Option(42, "--seed", help="Sampling seed of the token blocks."),
+    kv_cache: bool = typer.Option(True, "--kv-cache/--no-kv-cache", help="Simulate a checkpoint's fp8 KV cache (its kv_cache_scheme) as vLLM serves it; --no-kv-cache keeps keys and values 16-bit, to measure what the cache costs."),
     moe: bool = typer.Option(False, "--moe", help="MoE routing analysis: load per expert, routing drift against the baseline, capacity-aware inference, bias balancing, expert offloading."),
     moe_samples: int = typer.Option(8, "--moe-samples", help="Token blocks (the first of the eval set) for the --moe drift, capacity, bias and offload runs."),
     offload_cache: Optional[list[int]] = typer.Option(None, "--offload-cache", help="With --moe: experts per layer kept resident in the offload runs (repeatable; k..E). Default: E/2."),
@@ -472,7 +474,7 @@ def eval_cmd(
             checkpoints=list(checkpoints), baseline=baseline, dataset=dataset, num_samples=num_samples,
             seq_len=seq_len, seed=seed, text_column=text_column, tasks=list(tasks or []), lm_eval_tasks=lm_eval,
             throughput=throughput, device=device, dtype=dtype, batch_size=batch_size, max_kl=max_kl,
-            max_ppl_increase=max_ppl_increase, min_top1=min_top1, kernels=kernels, moe=moe, engine=engine,
+            max_ppl_increase=max_ppl_increase, min_top1=min_top1, kernels=kernels, kv_cache=kv_cache, moe=moe, engine=engine,
             tensor_parallel_size=tensor_parallel_size, vllm_python=vllm_python, top_logprobs=top_logprobs,
             speculative=SpecOptions(draft=speculative, draft_tokens=draft_tokens, tree=tree, prompts=prompts,
                                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,

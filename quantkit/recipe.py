@@ -24,6 +24,7 @@ class QuantizationSpec:
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
     options: dict = field(default_factory=dict)  # per-method options, keyed by method name
     strict: bool = False  # refuse instead of falling back when a layer cannot take the scheme (FP8_BLOCK)
+    kv_cache: str | None = None  # fp8 (one scale per layer) | fp8-head (per KV head): a calibrated fp8 KV cache
 
 
 SCHEDULES = ("auto", "one-pass", "two-pass")

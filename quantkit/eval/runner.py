@@ -42,6 +42,7 @@ class EvalOptions:
     cache_dir: Path | None = None
     speculative: SpecOptions = field(default_factory=SpecOptions)
     kernels: str = "auto"  # auto | reference | cuda-emulated (runtime/dispatch.py)
+    kv_cache: bool = True  # simulate a checkpoint's fp8 KV cache (False: keys and values in the compute dtype)
     moe: bool = False  # routing analysis (quantkit/eval/moe.py)
     moe_options: object | None = None  # MoEEvalOptions; None = the defaults
     engine: str = "quantkit"  # quantkit (its own runtime) | vllm (quantkit/eval/vllm_engine.py)
@@ -271,7 +272,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
         results, token_kl, outputs = [], {}, []
         for ckpt in checkpoints:
             compute = compute_for(ckpt, opts.dtype, device, opts.kernels)
-            rt = load_model(ckpt, compute.dtype, device, kernels=opts.kernels)
+            rt = load_model(ckpt, compute.dtype, device, kernels=opts.kernels, kv_cache=opts.kv_cache)
             if rt.vocab_size != cache.read(0).shape[-1]:
                 raise InputError(f"{ckpt} produces {rt.vocab_size} logits per token, the baseline {cache.read(0).shape[-1]}")
             task = progress.add_task("evaluate", total=n_blocks, info=ckpt.name)
@@ -293,7 +294,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
             stats = {k: torch.cat(v) for k, v in parts.items()}
             row = {"checkpoint": str(ckpt), **summarize(stats), **size_figures(ckpt, rt.dtype),
                    "resident_weight_bytes": rt.resident_weight_bytes, "formats": rt.formats, "kernels": rt.kernels,
-                   "kernel_choice": rt.kernel_choice,
+                   "kernel_choice": rt.kernel_choice, "kv_cache": rt.kv_cache,
                    "compute": compute.to_dict()}
             row.update(_extras(rt, base_tok, tasks, opts, device, evaluate_task))
             if prompts is not None and not spec.grid:
@@ -361,7 +362,8 @@ def _speculative_grid(checkpoints, tokenizer, prompts, spec: SpecOptions, opts: 
     from quantkit.runtime.speculative import ModelDraft
 
     eos = tokenizer.eos_token_id
-    models = {str(c): load_model(c, compute_for(c, opts.dtype, device, opts.kernels).dtype, device, kernels=opts.kernels)
+    models = {str(c): load_model(c, compute_for(c, opts.dtype, device, opts.kernels).dtype, device, kernels=opts.kernels,
+                                 kv_cache=opts.kv_cache)
               for c in checkpoints}
     rows, outputs = [], []
     for target, rt in models.items():

@@ -73,7 +73,7 @@ def _group(targets: list[str], scheme: Scheme, actorder: str | None) -> dict:
 
 
 def build_quantization_config(scheme: Scheme, ignore: list[str], actorder: str | None = None,
-                              overrides: dict[str, list[str]] | None = None) -> dict:
+                              overrides: dict[str, list[str]] | None = None, kv_cache: str | None = None) -> dict:
     """config.json's `quantization_config`, field for field what compressed-tensors' own pydantic models dump
     (tests/formats/test_compressed_tensors.py holds it to them). Built as plain data because importing
     compressed-tensors pulls in transformers and torch.distributed (about 2 s), which would dominate the
@@ -85,6 +85,7 @@ def build_quantization_config(scheme: Scheme, ignore: list[str], actorder: str |
     """
     from importlib.metadata import version
 
+    from quantkit.quant.kv_cache import kv_cache_scheme
     from quantkit.quant.schemes import get_scheme
 
     # act-order "group" (g_idx) is what older compressed-tensors / vLLM read; compressed-tensors >= 0.20
@@ -96,7 +97,7 @@ def build_quantization_config(scheme: Scheme, ignore: list[str], actorder: str |
     return {
         "config_groups": groups,
         "quant_method": "compressed-tensors",
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache_scheme(kv_cache) if kv_cache else None,
         "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
         "global_compression_ratio": None,

@@ -64,6 +64,9 @@ class LayerContext:
     input_leaders: dict[str, str] = field(default_factory=dict)
     schedule: str = "two-pass"  # which schedule calibrated this layer (recorded in the manifest)
     global_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # NVFP4, per linear (see global_scale)
+    # --kv-cache: absmax per KV head of the keys ("k", after RoPE) and values ("v") the layer stores, observed in
+    # the pass that feeds the next layer (emptied as that pass starts, so earlier passes do not count)
+    kv_absmax: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @contextmanager
     def phase(self, name: str):

@@ -45,6 +45,7 @@ from quantkit.pipeline.memory import (DevicePeak, activation_placement, layer_wo
                                      release_freed_memory, return_large_frees_to_os)
 from quantkit.compute import choose_compute_dtype, matmul_shapes
 from quantkit.progress import announce, progress_bar
+from quantkit.quant.kv_cache import kv_strategy
 from quantkit.quant.schemes import Scheme, block_fallback, get_scheme
 from quantkit.recipe import Recipe
 
@@ -67,6 +68,30 @@ class LayerPlan:
     kept: dict[str, tuple[str, torch.dtype, tuple]]  # local param -> (checkpoint name, disk dtype, shape)
     copied: list[str]  # checkpoint tensors of the layer that no module parameter covers
     skipped_linears: list[str] = field(default_factory=list)  # checkpoint names of linears left unquantised
+    kv_attention: str | None = None  # --kv-cache: layer-local name of the attention module whose cache is fp8
+    kv_heads: int = 0  # its KV heads
+
+
+def plan_kv_cache(handle: ModelHandle, plans: list[LayerPlan], mode: str) -> None:
+    """Find each layer's attention module (the one storing keys and values through transformers' cache) for a
+    calibrated fp8 KV cache; refuse, with one line, a layout whose cache quantkit cannot calibrate."""
+    from quantkit.models.kv_tap import attention_modules
+    from quantkit.quant.kv_cache import kv_strategy
+
+    kv_strategy(mode)
+    config = handle.config.get_text_config() if hasattr(handle.config, "get_text_config") else handle.config
+    if getattr(config, "kv_lora_rank", None):
+        raise InputError("--kv-cache on an MLA model (kv_lora_rank): vLLM caches its compressed latent, which "
+                         "quantkit does not calibrate yet; quantise without --kv-cache")
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    for p in plans:
+        found = attention_modules(handle.meta_layer(p.index))
+        if len(found) != 1:
+            what = "no" if not found else f"{len(found)}"
+            raise InputError(f"--kv-cache: layer {p.index} of {handle.config.model_type} has {what} attention modules "
+                             "that store keys and values through a cache (expected one named self_attn or "
+                             "attention); its cache layout is not known to quantkit")
+        p.kv_attention, p.kv_heads = found[0][0], int(heads)
 
 
 def ignore_matches(pattern: str, name: str) -> bool:
@@ -304,6 +329,7 @@ def process_layer(
                   for m in layer.modules() if isinstance(m, UnfusedExperts)]
     errors: list[tuple[int, float, float]] = []
     began = time.perf_counter()
+    ctx.kv_absmax.clear()  # the KV cache scales come from this pass: the layer as it will be served
     with torch.no_grad(), ctx.phase("quantised_pass"):
         for j in batches.owned:
             quantized = run_layer(layer, acts[j], calls[j][ctx.index])
@@ -450,6 +476,7 @@ def _process_layer_one_pass(layer: nn.Module, ctx: LayerContext, stages: list[li
             on_batch()
             on_batch()
 
+    ctx.kv_absmax.clear()  # the KV cache scales come from this pass: the layer as it will be served
     with torch.no_grad(), ctx.phase("grouped_pass"):
         grouped.run(batches.owned, forward, on_done=done)
     ctx.phases["grouped_apply"] = ctx.phases.get("grouped_apply", 0.0) + applying["seconds"]
@@ -636,6 +663,8 @@ def prepare_run(recipe: Recipe, tp: int | None = None) -> RunSetup:
         raise InputError(f"cannot load the tokenizer of {handle.path}: {str(exc).splitlines()[0]}") from None
 
     plans = plan_layers(handle, scheme, q.ignore, strict=q.strict)
+    if q.kv_cache:
+        plan_kv_cache(handle, plans, q.kv_cache)
     check_group_divisibility(plans, scheme)
     if not any(p.targets for p in plans):
         raise InputError("nothing to quantise: every linear is ignored")
@@ -643,7 +672,7 @@ def prepare_run(recipe: Recipe, tp: int | None = None) -> RunSetup:
 
     shard_warnings = tp_warnings(plans, tp)
 
-    needs_stats = any(m.needs_calibration for m in methods) or scheme.static_activations
+    needs_stats = any(m.needs_calibration for m in methods) or scheme.static_activations or bool(q.kv_cache)
     n_samples = c.num_samples if needs_stats else min(c.num_samples, c.error_samples)
     calib = build_token_blocks(tokenizer, c.dataset, n_samples, c.seq_len, c.seed, text_column=c.text_column)
     vocab = getattr(handle.config, "vocab_size", None) or getattr(handle.config.get_text_config(), "vocab_size", None)
@@ -668,6 +697,10 @@ def prepare_run(recipe: Recipe, tp: int | None = None) -> RunSetup:
             specs.append(TensorSpec(ckpt, dtype, shape))
         for name in p.copied:
             specs.append(TensorSpec(name, handle.index.dtype(name), handle.index.tensors[name].shape))
+        if p.kv_attention:
+            shape = (1,) if kv_strategy(q.kv_cache) == "tensor" else (p.kv_heads, 1, 1)
+            attn = handle.checkpoint_name(p.index, p.kv_attention)
+            specs += [TensorSpec(f"{attn}.{leaf}", weight_dtype, shape) for leaf in ("k_scale", "v_scale")]
     return RunSetup(recipe, scheme, methods, resolved, handle, tokenizer, plans, shard_warnings, calib, n_samples,
                     batch_size, n_batches, weight_dtype, specs)
 
@@ -748,7 +781,7 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
     methods = build_methods(q.method, scheme, q.options)
     from quantkit.pipeline.stream import stream_quantize, streams
 
-    if streams(methods, scheme):
+    if streams(methods, scheme, q.kv_cache):
         if not ranks.writer:  # data-free: nothing to calibrate, rank 0 converts tensor by tensor
             return {"rank": ranks.rank, "output": str(output)}
         return stream_quantize(recipe, output, scheme, overwrite=options.overwrite,
@@ -803,7 +836,8 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
     run = LayerRun(handle, plans, methods, scheme, n_batches, device, None, journal, partial, partial / ".state",
                    Path(offload_dir) if offload_dir else None, weight_dtype,
                    torch.float32 if autocast else compute.dtype, autocast, setup.error_batches, ranks,
-                   schedule=recipe.calibration.schedule, device_peak=device_peak)
+                   schedule=recipe.calibration.schedule, device_peak=device_peak,
+                   kv_cache=recipe.quantization.kv_cache)
     if ranks.writer:
         if fresh:
             run.journal = Journal(run_key, compute=compute.to_dict())
@@ -896,8 +930,8 @@ def write_config_and_extras(handle: ModelHandle, plans: list[LayerPlan], scheme:
     config = json.loads((handle.path / "config.json").read_text())
     overrides = scheme_overrides(plans, scheme)
     config["quantization_config"] = build_quantization_config(
-        scheme, _protected_ignore(handle, plans, q.ignore), actorder=actorder, overrides=overrides
-    )
+        scheme, _protected_ignore(handle, plans, q.ignore), actorder=actorder, overrides=overrides,
+        kv_cache=q.kv_cache)
     (partial / "config.json").write_text(json.dumps(config, indent=2))
     for item in handle.path.iterdir():
         if item.is_file() and not item.name.endswith(WEIGHT_SUFFIXES) and item.name not in (
@@ -960,6 +994,7 @@ class LayerRun:
     schedule: str = "auto"  # recipe calibration.schedule: auto, one-pass or two-pass
     device_peak: DevicePeak | None = None  # per-layer and run peak of device memory (GPU runs)
     activations: str = "device"  # where the activations live (run_activation_placement; disk with a spill folder)
+    kv_cache: str | None = None  # recipe quantization.kv_cache
 
 
 def run_activation_placement(handle: ModelHandle, plans: list[LayerPlan], device: str, compute_dtype: torch.dtype,
@@ -1026,6 +1061,36 @@ def _run_layers(run: LayerRun, calib: CalibrationSet, batch_size: int, start: in
             gc.unfreeze()
 
 
+def observe_kv(layer: nn.Module, plan: LayerPlan, ctx: LayerContext) -> list:
+    """--kv-cache: record the absmax per KV head of the keys and values the layer's attention stores."""
+    if not plan.kv_attention:
+        return []
+    from quantkit.models.kv_tap import tap_kv
+    from quantkit.quant.kv_cache import head_absmax
+
+    def observe(k: torch.Tensor, v: torch.Tensor):
+        for key, states in (("k", k), ("v", v)):
+            m = head_absmax(states)
+            prev = ctx.kv_absmax.get(key)
+            ctx.kv_absmax[key] = m if prev is None else torch.maximum(prev, m)
+        return k, v
+
+    return [tap_kv(dict(layer.named_modules())[plan.kv_attention], observe)]
+
+
+def kv_scales(handle: ModelHandle, plan: LayerPlan, ctx: LayerContext, mode: str | None,
+              dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The layer's k_scale / v_scale tensors by checkpoint name (none without --kv-cache)."""
+    if not plan.kv_attention:
+        return {}
+    from quantkit.quant.kv_cache import kv_scale, kv_strategy
+
+    if set(ctx.kv_absmax) != {"k", "v"}:
+        raise RunError(f"layer {plan.index}: --kv-cache saw no keys or values stored by {plan.kv_attention}")
+    attn = handle.checkpoint_name(plan.index, plan.kv_attention)
+    return {f"{attn}.{leaf}_scale": kv_scale(ctx.kv_absmax[leaf], kv_strategy(mode), dtype).cpu() for leaf in "kv"}
+
+
 def layer_context(handle: ModelHandle, plan: LayerPlan, layer: nn.Module, scheme: Scheme,
                   weight_dtype: torch.dtype, compute_dtype: torch.dtype, autocast: bool) -> LayerContext:
     modules = dict(layer.named_modules())
@@ -1065,10 +1130,17 @@ def _layer_loop(run: LayerRun, progress, batches: LayerBatches, start: int) -> N
         modules = None
         progress.reset(batch_task, total=2 * n_own, info=f"layer {i}")
         counts = _routing_counter(layer, handle)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=run.autocast):
-            rel = process_layer(layer, ctx, run.methods, batches,
-                                on_batch=lambda: progress.advance(batch_task),
-                                on_routing=counts.add if counts is not None else None, schedule=run.schedule)
+        taps = observe_kv(layer, plan, ctx)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=run.autocast):
+                rel = process_layer(layer, ctx, run.methods, batches,
+                                    on_batch=lambda: progress.advance(batch_task),
+                                    on_routing=counts.add if counts is not None else None, schedule=run.schedule)
+        finally:
+            for tap in taps:
+                tap.remove()
+        if plan.kv_attention and ranks.distributed:
+            ctx.kv_absmax = ranks.reduce(ctx.kv_absmax, "max")
         if counts is not None and ranks.distributed:
             counts.merge(ranks.reduce(counts.tensors(), "sum"))
         if writer is not None and counts is not None and counts.tokens:
@@ -1085,6 +1157,8 @@ def _layer_loop(run: LayerRun, progress, batches: LayerBatches, start: int) -> N
                     writer.write(ckpt, params[local].detach().to(dtype))
                 for name in plan.copied:
                     writer.write(name, handle.index.get(name))
+                for name, tensor in kv_scales(handle, plan, ctx, run.kv_cache, run.weight_dtype).items():
+                    writer.write(name, tensor)
                 writer.sync()
         # Persist the activations entering the next layer when the policy says the cost is due, then commit:
         # a kill resumes from the newest saved generation (recomputing any layers after it, same bytes).

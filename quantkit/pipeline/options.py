@@ -24,9 +24,9 @@ def ineffective_options(rec: Recipe, given: dict[str, object]) -> list[str]:
         out.append(f"--group-size {given['--group-size']} has no effect with {scheme.name}: its weight scales are "
                    f"{_STRATEGY_WORDS.get(scheme.weights.strategy, scheme.weights.strategy)}")
     data_flags = [f for f in ("--dataset", "--num-samples", "--seq-len", "--text-column") if given.get(f) is not None]
-    if streams(methods, scheme):
+    if streams(methods, scheme, q.kv_cache):
         out += [f"{f} has no effect: {q.method} with {scheme.name} is data-free (no calibration pass)" for f in data_flags]
-    elif not (any(m.needs_calibration for m in methods) or scheme.static_activations) \
+    elif not (any(m.needs_calibration for m in methods) or scheme.static_activations or q.kv_cache) \
             and given.get("--num-samples") is not None and int(given["--num-samples"]) > rec.calibration.error_samples:
         # the engine draws min(num_samples, error_samples) samples for such a run (pipeline/engine.py)
         out.append(f"--num-samples {given['--num-samples']} has no effect with {q.method}: it needs no calibration "

@@ -218,7 +218,7 @@ def plan_run(opts: PlanOptions) -> dict:
     device = _resolve_device(opts.device)  # first, as quantize does: --device cuda without a GPU is refused
     q = recipe.quantization
     scheme = get_scheme(q.scheme, q.group_size)
-    if streams(build_methods(q.method, scheme, q.options), scheme):
+    if streams(build_methods(q.method, scheme, q.options), scheme, q.kv_cache):
         return _plan_stream(opts, scheme, t0)
     if output.exists() and not opts.overwrite:
         raise InputError(f"output {output} already exists; pass --overwrite to replace it")

@@ -35,10 +35,11 @@ from quantkit.quant.weights import quantize_any
 from quantkit.recipe import Recipe
 
 
-def streams(methods: list[Method], scheme: Scheme) -> bool:
-    """True when the run needs no data at all: the fp8 method alone with dynamic activations."""
+def streams(methods: list[Method], scheme: Scheme, kv_cache: str | None = None) -> bool:
+    """True when the run needs no data at all: the fp8 method alone with dynamic activations (a calibrated KV
+    cache needs data)."""
     return [m.name for m in methods] == ["fp8"] and scheme.input_activations is not None \
-        and scheme.input_activations.dynamic
+        and scheme.input_activations.dynamic and kv_cache is None
 
 
 def _layer_of(name: str, root: str) -> tuple[int, str] | None:

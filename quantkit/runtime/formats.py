@@ -50,6 +50,7 @@ class LinearFormat:
 class QuantConfig:
     groups: tuple[tuple[tuple[str, ...], LinearFormat], ...]
     ignore: tuple[str, ...]
+    kv_cache: str | None = None  # fp8 KV cache with static scales: "tensor" or "attn_head" (kv_cache_scheme)
 
     def format_for(self, module_name: str, class_name: str = "Linear") -> LinearFormat | None:
         """The group that targets this module: name and regex targets win over class-name targets."""
@@ -114,8 +115,7 @@ def parse_quantization_config(qc: dict, where: str) -> QuantConfig:
         raise InputError(f"{where} uses sparsity compression, which quantkit's runtime does not support")
     if qc.get("transform_config"):
         raise InputError(f"{where} uses transforms (e.g. Hadamard rotations), which quantkit's runtime does not support")
-    if qc.get("kv_cache_scheme"):
-        raise InputError(f"{where} has a quantised KV cache, which quantkit's runtime does not support yet")
+    kv_cache = _kv_cache(qc.get("kv_cache_scheme"), where)
     groups = []
     for gname, group in (qc.get("config_groups") or {}).items():
         fmt = group.get("format") or qc.get("format")
@@ -141,4 +141,17 @@ def parse_quantization_config(qc: dict, where: str) -> QuantConfig:
         groups.append((tuple(group.get("targets") or ("Linear",)), LinearFormat(fmt, weights, inputs)))
     if not groups:
         raise InputError(f"{where}: quantization_config has no config_groups")
-    return QuantConfig(tuple(groups), tuple(qc.get("ignore") or ()))
+    return QuantConfig(tuple(groups), tuple(qc.get("ignore") or ()), kv_cache)
+
+
+def _kv_cache(raw: dict | None, where: str) -> str | None:
+    """The KV cache strategy of a `kv_cache_scheme`: what vLLM serves (fp8 e4m3, static, symmetric, per tensor or
+    per KV head), or one line saying what is not."""
+    if not raw:
+        return None
+    strategy = raw.get("strategy") or "tensor"
+    if raw.get("type") != "float" or int(raw.get("num_bits", 0)) != 8 or raw.get("dynamic") not in (False, None) \
+            or not raw.get("symmetric", True) or strategy not in ("tensor", "attn_head"):
+        raise InputError(f"{where}: kv_cache_scheme {raw} is not an fp8 cache with static symmetric per-tensor or "
+                         "per-head scales, the only KV cache quantkit's runtime (and vLLM) runs")
+    return strategy

@@ -50,6 +50,7 @@ class RuntimeModel:
     kernels: dict[str, dict[str, int]] = field(default_factory=dict)  # op kind -> kernel name -> linears served
     # Where several kernels could serve a layer signature: the measured choice (kernels/choice.py), as dicts.
     kernel_choice: list[dict] = field(default_factory=list)
+    kv_cache: str | None = None  # the fp8 KV cache simulated ("tensor" / "attn_head" scales), None: 16-bit
 
     @property
     def resident_weight_bytes(self) -> int:
@@ -174,14 +175,16 @@ def _read(index: SafetensorsIndex, name: str, device, dtype=None) -> torch.Tenso
 
 @torch.no_grad()
 def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-               trust_remote_code: bool = False, runtime_moe: bool = True, kernels: str = "auto") -> RuntimeModel:
+               trust_remote_code: bool = False, runtime_moe: bool = True, kernels: str = "auto",
+               kv_cache: bool = True) -> RuntimeModel:
     """Build the runtime model; `dtype` None = the checkpoint's own dtype (what its consumers compute in).
     `runtime_moe` False keeps transformers' own sparse-MoE blocks (no router hooks; an oracle for tests).
 
     kernels: "auto" serves each quantised linear with the first kernel for its format and device (the torch
     reference where none does, warned once); "reference" runs everything through the torch reference;
     "cuda-emulated" serves the linears, MoE experts, MLA decode and tree masks with the CUDA kernels on the CPU
-    emulator (a developer check, slow)."""
+    emulator (a developer check, slow). `kv_cache` False ignores a checkpoint's fp8 KV cache (keys and values stay in the
+    compute dtype), for measuring what the cache costs."""
     mode = dispatch.check_mode(kernels)
     path = check_model_folder(Path(path))
     config, qc_raw, model = _skeleton(path, trust_remote_code)
@@ -257,13 +260,36 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
         raise InputError(f"{path}: tensors missing from the checkpoint: {', '.join(leftover[:3])}")
     model.eval()
     model.config.use_cache = True
+    kv = _install_kv_cache(model, handle, quant, device, str(path)) if quant and quant.kv_cache and kv_cache else None
     choices: list = []
     kernel_counts = dispatch.prepare_model(model, mode, choices)
     launcher = launcher_for(device, mode)
     if launcher is not None:  # MoE grouped GEMMs, absorbed MLA decode, tree masks (reported with the linears)
         kernel_counts.update(install_cuda_ops(model, launcher, device, dtype))
     return RuntimeModel(model, path, config, dtype, device, quant, dict(formats), kernel_counts,
-                        [dataclasses.asdict(c) for c in choices])
+                        [dataclasses.asdict(c) for c in choices], kv)
+
+
+def _install_kv_cache(model: nn.Module, handle: ModelHandle, quant: QuantConfig, device, where: str) -> str:
+    """Round every key and value an attention layer stores through an e4m3 cache under its checkpoint's
+    k_scale / v_scale, as vLLM's fp8 cache holds them; prefill and decode attend over the rounded states alike."""
+    from quantkit.models.kv_tap import attention_modules, tap_kv
+    from quantkit.quant.kv_cache import fake_quantize_kv
+
+    if getattr(handle.config, "kv_lora_rank", None):
+        raise InputError(f"{where}: an fp8 KV cache on an MLA model (its compressed latent) is not supported by "
+                         "quantkit's runtime")
+    found = attention_modules(model)
+    if not found:
+        raise InputError(f"{where}: kv_cache_scheme is set but no attention module (self_attn / attention) was found")
+    for name, module in found:
+        ckpt = _checkpoint_name(handle, name)
+        missing = [f"{ckpt}.{t}" for t in ("k_scale", "v_scale") if f"{ckpt}.{t}" not in handle.index]
+        if missing:
+            raise InputError(f"{where}: kv_cache_scheme is set but {missing[0]} is missing")
+        k_scale, v_scale = (_read(handle.index, f"{ckpt}.{t}", device) for t in ("k_scale", "v_scale"))
+        tap_kv(module, lambda k, v, ks=k_scale, vs=v_scale: (fake_quantize_kv(k, ks), fake_quantize_kv(v, vs)))
+    return quant.kv_cache
 
 
 def read_config(path: Path) -> dict:
