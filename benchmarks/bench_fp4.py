@@ -44,6 +44,7 @@ def main() -> None:
     calib_flags = ["--dataset", "kjv", "--num-samples", str(args.calib_samples), "--seq-len", str(args.seq_len),
                    "--seed", str(args.seed)]
     runs: dict[str, dict] = {}
+    failures: dict[str, str] = {}
     for scheme in args.schemes.split(","):
         for method in ("rtn", "gptq"):
             name = f"quantkit {method} {scheme}"
@@ -57,9 +58,14 @@ def main() -> None:
                 continue
             name = f"llm-compressor {method} {scheme}"
             out = args.work / name.replace(" ", "_")
-            res = run_measured([str(LLMC_PYTHON), str(ROOT / "benchmarks" / "llmc_runner.py"), "--model", str(model),
-                                "--recipe", method, "--scheme", scheme, "--output", str(out), "--tokens",
-                                str(calib_file)])
+            try:
+                res = run_measured([str(LLMC_PYTHON), str(ROOT / "benchmarks" / "llmc_runner.py"), "--model",
+                                    str(model), "--recipe", method, "--scheme", scheme, "--output", str(out),
+                                    "--tokens", str(calib_file)])
+            except SystemExit as exc:  # the peer's refusal is the measurement
+                failures[name] = str(exc).splitlines()[0][:300]
+                print(f"{name}: failed", flush=True)
+                continue
             runs[name] = {"wall_s": res["wall_s"], "peak_rss_bytes": res["peak_rss_bytes"], "path": out,
                           "scheme": scheme, "method": method, "tool": "llm-compressor"}
             print(f"{name}: {res['wall_s']:.1f} s", flush=True)
@@ -95,7 +101,8 @@ def main() -> None:
             md.append(f"- {scheme} {method}: quantkit / llm-compressor wall {ratio(ours['wall_s'], theirs['wall_s'])}, "
                       f"KL {HELDOUT_KJV} {ratio(ours['kl'][HELDOUT_KJV]['kl_mean'], theirs['kl'][HELDOUT_KJV]['kl_mean'])}, "
                       f"KL {HELDOUT_PYDOC} {ratio(ours['kl'][HELDOUT_PYDOC]['kl_mean'], theirs['kl'][HELDOUT_PYDOC]['kl_mean'])}")
-    payload = {"load_average": load, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    md += [f"- {name} failed: `{why}`" for name, why in failures.items()]
+    payload = {"failures": failures, "load_average": load, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                "runs": {k: {**{kk: vv for kk, vv in v.items() if kk != "path"}, "path": str(v["path"])}
                         for k, v in runs.items()}}
     write_results("fp4", payload, "\n".join(md) + "\n")

@@ -19,13 +19,16 @@ from transformers import AutoModelForCausalLM
 
 
 def load(folder: Path) -> torch.nn.Module:
-    # float32 for both sides so the only difference between them is the quantisation. compressed-tensors
-    # decompresses fp4 weights into bf16 whatever the model's dtype, so an fp4 checkpoint loads in bf16 (its
-    # weights decompressed at load) and then runs in float32 like the rest.
+    # float32 for both sides so the only difference between them is the quantisation. compressed-tensors'
+    # compressed fp4 modules decompress into bf16 whatever the model's dtype (a dtype clash in an fp32 model), so an
+    # fp4 checkpoint is decompressed once at load (dequantize=True: the same weights, held dense in float32).
     config = json.loads((folder / "config.json").read_text())
     fmt = str((config.get("quantization_config") or {}).get("format", ""))
     if "fp4" in fmt:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).float().eval()
+        from transformers import CompressedTensorsConfig
+
+        return AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return model.eval()
 

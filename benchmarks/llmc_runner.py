@@ -50,7 +50,9 @@ def weight_scheme(preset: str, group_size: int) -> dict[str, QuantizationScheme]
     fields), expand the preset and override only the weights' group_size.
     """
     scheme = preset_name_to_scheme(preset, targets=["Linear"])
-    if scheme.weights is not None and scheme.weights.strategy == QuantizationStrategy.GROUP:
+    # Integer groups only: fp4's group sizes are the format (MXFP4 is groups of 32 by definition).
+    if scheme.weights is not None and scheme.weights.strategy == QuantizationStrategy.GROUP \
+            and scheme.weights.type == "int":
         fields = scheme.weights.model_dump()
         fields["group_size"] = group_size
         scheme.weights = QuantizationArgs(**fields)

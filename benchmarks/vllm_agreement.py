@@ -46,6 +46,11 @@ KINDS = {
          "--output", "SRC"],
         RTN + ["--model", "SRC", "--scheme", "W4A16", "--group-size", "64"]],
     "MLA (convert-mla: bf16)": [["convert-mla", "--num-samples", "8", "--seq-len", "256", "--refine-steps", "0"]],
+    "W4A16 g64 + fp8 KV cache": [RTN + ["--scheme", "W4A16", "--group-size", "64", "--kv-cache", "fp8"]],
+    "W4A16 g64 + fp8 KV cache per head": [RTN + ["--scheme", "W4A16", "--group-size", "64", "--kv-cache", "fp8-head"]],
+    "NVFP4A16": [RTN + ["--scheme", "NVFP4A16"]],
+    "MXFP4A16": [RTN + ["--scheme", "MXFP4A16"]],
+    "W4AFP8": [RTN + ["--scheme", "W4AFP8", "--group-size", "64"]],
 }
 
 

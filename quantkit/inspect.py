@@ -18,7 +18,10 @@ def _scheme_name(qc: dict) -> str:
         a = group.get("input_activations")
         bits = w.get("num_bits")
         kind = "FP" if w.get("type") == "float" else "W"
-        act = f"A{a.get('num_bits')}" if a else "A16"
+        act = f"A{'FP' if a.get('type') == 'float' else ''}{a.get('num_bits')}" if a else "A16"
+        if kind == "FP" and bits == 4:  # the fp4 layouts have names of their own
+            names.append(("NVFP4" if w.get("strategy") == "tensor_group" else "MXFP4") + ("" if a else "A16"))
+            continue
         name = f"{kind}{bits}{act}" if kind == "W" else f"FP{bits}"
         if w.get("strategy") == "group":
             name += f" g{w.get('group_size')}"
@@ -27,6 +30,9 @@ def _scheme_name(qc: dict) -> str:
         if w.get("symmetric") is False:
             name += " asym"
         names.append(name)
+    kv = qc.get("kv_cache_scheme")
+    if kv:
+        names.append(f"fp8 KV cache ({kv.get('strategy')})")
     return ", ".join(names) or "?"
 
 

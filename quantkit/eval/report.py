@@ -93,12 +93,29 @@ def render_markdown(report: dict) -> str:
         out += _table(["target", "draft", *[f"pos {d + 1}" for d in range(depth)]],
                       [[t, m["draft"], *(m["per_position_acceptance"] + [None] * depth)[:depth]] for t, m in spec])
     out += _moe_markdown(report)
+    out += _attribution_markdown(report)
     if report["gates"]:
         out += ["## Gates", ""]
         out += _table(["checkpoint", "gate", "metric", "threshold", "value", "passed"],
                       [[g["checkpoint"], g["gate"], g["metric"], g["threshold"], g["value"], g["passed"]]
                        for g in report["gates"]])
     return "\n".join(out)
+
+
+def _attribution_markdown(report: dict) -> list[str]:
+    out = []
+    for r in report["results"]:
+        a = r.get("attribution")
+        if not a:
+            continue
+        explained = a.get("explained")
+        out += [f"## Attribution: {r['checkpoint']}", "",
+                f"KL {a['kl_mean']}; each layer restored to the baseline's removes the KL below. The layers' sum is "
+                f"{a['sum_of_contributions']}" + (f", {explained:.1%} of the whole" if explained is not None else "")
+                + " (layers interact: the sum need not equal the whole).", ""]
+        out += _table(["layer", "KL without it", "contribution", "share"],
+                      [[x["layer"], x["kl_without"], x["contribution"], x["share"]] for x in a["layers"]])
+    return out
 
 
 def _moe_markdown(report: dict) -> list[str]:
@@ -238,6 +255,15 @@ def write_plots(folder: Path, report: dict, token_kl: dict) -> list[str]:
         written.append("speculative_acceptance.png")
         plt.close(fig)
     written += _moe_plots(folder, report, plt)
+    from quantkit.eval.attribution import attribution_figure
+
+    for i, r in enumerate(report["results"]):
+        if r.get("attribution"):
+            fig = attribution_figure(plt, Path(r["checkpoint"]).name, r["attribution"])
+            name = f"attribution_{i}.png"
+            fig.savefig(folder / name, dpi=110)
+            written.append(name)
+            plt.close(fig)
     return written
 
 

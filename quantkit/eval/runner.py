@@ -43,6 +43,7 @@ class EvalOptions:
     speculative: SpecOptions = field(default_factory=SpecOptions)
     kernels: str = "auto"  # auto | reference | cuda-emulated (runtime/dispatch.py)
     kv_cache: bool = True  # simulate a checkpoint's fp8 KV cache (False: keys and values in the compute dtype)
+    attribution: bool = False  # each decoder layer's share of the KL (quantkit/eval/attribution.py)
     moe: bool = False  # routing analysis (quantkit/eval/moe.py)
     moe_options: object | None = None  # MoEEvalOptions; None = the defaults
     engine: str = "quantkit"  # quantkit (its own runtime) | vllm (quantkit/eval/vllm_engine.py)
@@ -307,6 +308,8 @@ def run_eval(opts: EvalOptions) -> EvalRun:
                     h.remove()
                 row["moe"] = analyze_moe(rt, recorder, stats["kl"], ids, lambda i: cache.read(i), base_path,
                                          moe_opts, opts.batch_size, compute.dtype, device)
+            if opts.attribution:
+                row["attribution"] = _attribution(rt, base_path, ids, cache, opts, progress)
             results.append(row)
             token_kl[str(ckpt)] = stats["kl"].float()
             del rt
@@ -377,6 +380,31 @@ def _speculative_grid(checkpoints, tokenizer, prompts, spec: SpecOptions, opts: 
             outputs += spec_eval.output_lines(target, r.pop("outputs"), speculative=True, draft=name)
             rows.append({"target": target, **r})
     return {"rows": rows, "outputs": outputs}
+
+
+def _attribution(rt: RuntimeModel, base_path: Path, ids: torch.Tensor, cache, opts: EvalOptions, progress) -> dict:
+    """Each decoder layer's share of the checkpoint's KL: the layer swapped for the baseline's, one at a time."""
+    from quantkit.eval.attribution import layer_attribution
+    from quantkit.models.adapters import adapter_for
+
+    base = load_model(base_path, rt.dtype, rt.device, kernels=opts.kernels)
+    try:
+        layers_path = adapter_for(getattr(rt.config, "model_type", "?")).layers_path
+    except InputError:
+        layers_path = "model.layers"  # a dense model transformers knows
+
+    def kl_of() -> float:
+        total, n = 0.0, 0
+        for s, batch in _batches(ids, opts.batch_size):
+            logits = _logits(rt, batch)
+            for j in range(batch.shape[0]):
+                kl = token_stats(cache.read(s + j)[:-1], logits[j, :-1], ids[s + j, 1:])["kl"]
+                total, n = total + float(kl.sum()), n + kl.numel()
+        return total / n
+
+    n_layers = getattr(rt.config, "num_hidden_layers", None)
+    task = progress.add_task("attribution", total=n_layers, info=rt.path.name)
+    return layer_attribution(rt.model, base.model, layers_path, kl_of, on_layer=lambda i: progress.advance(task))
 
 
 def _extras(rt: RuntimeModel, tokenizer, tasks: dict, opts: EvalOptions, device, evaluate_task) -> dict:

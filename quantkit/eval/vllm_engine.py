@@ -60,6 +60,9 @@ def score(python: str, model: Path, blocks: list[list[int]], opts, dtype: str) -
     """Run one model through the worker; the parsed result, or RunError naming the model."""
     request = {"model": str(model), "blocks": blocks, "top_logprobs": opts.top_logprobs, "dtype": dtype,
                "tensor_parallel_size": opts.tensor_parallel_size, "max_model_len": len(blocks[0]) + 8}
+    config = json.loads((Path(model) / "config.json").read_text())
+    if (config.get("quantization_config") or {}).get("kv_cache_scheme"):
+        request["kv_cache_dtype"] = "fp8"  # what serving a calibrated fp8 cache takes (--kv-cache-dtype fp8)
     if opts.throughput:
         request["throughput"] = {"prompts": [b[:THROUGHPUT_PROMPT_TOKENS] for b in blocks[:THROUGHPUT_PROMPTS]],
                                  "max_tokens": THROUGHPUT_NEW_TOKENS, "batches": [1, min(THROUGHPUT_PROMPTS, len(blocks))]}

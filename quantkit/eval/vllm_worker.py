@@ -43,7 +43,8 @@ def run(request: dict) -> dict:
 
     began = time.perf_counter()
     llm = LLM(model=request["model"], dtype=request["dtype"], tensor_parallel_size=request["tensor_parallel_size"],
-              max_model_len=request["max_model_len"], enforce_eager=True, seed=0)
+              max_model_len=request["max_model_len"], enforce_eager=True, seed=0,
+              kv_cache_dtype=request.get("kv_cache_dtype", "auto"))
     loaded = time.perf_counter() - began
     k = request["top_logprobs"]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)

@@ -51,7 +51,7 @@ from quantkit.errors import InputError
 from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
 from quantkit.quant.integer import SCALE_DTYPE_CODES, group_qparams, round_to_dtype
 from quantkit.quant import QuantArgs, dequantize_weight_args
-from quantkit.quant.fp4 import fp4_group_scales, round_to_e2m1
+from quantkit.quant.fp4 import fp4_group_scales, round_to_e2m1, search_fp4_scales
 from quantkit.quant.weights import dequantize_any, quantize_any
 
 ACTORDERS = ("static", "group", "none")
@@ -229,9 +229,10 @@ def gptq_solve(
     rounding error by 1 / u_kk^2 = 1 / [H_F^-1]_kk, what rounding that column costs when the solve reaches it
     (the per-column loss of the OBQ/GPTQ derivation).
 
-    fp4 weights (NVFP4, MXFP4) solve on the e2m1 grid: a group's stored scale comes from its members' absmax as
-    the solve reaches it (under `row_global` [B, R], each row's NVFP4 global scale), and the result's q holds
-    e2m1 values in fp32.
+    fp4 weights (NVFP4, MXFP4) solve on the e2m1 grid: a group's stored scale comes from its members as the solve
+    reaches it (under `row_global` [B, R], each row's NVFP4 global scale; with mse, the best of the absmax scale and
+    its neighbours on the format's scale grid, `search_fp4_scales`, weighted like the integer search), and the
+    result's q holds e2m1 values in fp32.
     """
     bsz, rows, n = weight.shape
     dev = weight.device
@@ -259,10 +260,12 @@ def gptq_solve(
         row_global = torch.ones(bsz, rows, device=dev) if row_global is None else row_global.float()
 
     def set_group(b: int, g: int, values: torch.Tensor) -> None:
-        if fp4:
-            scale_g[b, :, g] = fp4_group_scales(values, args, row_global[b])
-            return
         importance = None if col_cost is None else col_cost[b, members[b][g]]
+        if fp4:
+            gs = row_global[b][:, None]  # [R, 1], against the [R, 1] scales of this one group
+            scale_g[b, :, g] = (search_fp4_scales(values, args, gs, importance) if mse
+                                else fp4_group_scales(values, args, gs)).reshape(-1)
+            return
         s, z = group_qparams(values, args, scale_dtype, mse, mse_grid, mse_max_shrink, importance=importance)
         scale_g[b, :, g], zp_g[b, :, g] = s, z
 
@@ -436,6 +439,9 @@ class GPTQ(Method):
         self.config = GPTQConfig.from_options(options)
         if scheme.weights.strategy == "tensor":
             raise InputError("gptq supports group and channel weight scales, not one scale per tensor")
+        if self.config.actorder == "group" and scheme.weights.is_fp4:
+            raise InputError(f"gptq act-order 'group' needs a g_idx tensor, which {scheme.name}'s format does not "
+                             "store; use --actorder static (the default) or none")
         self.writes_g_idx = self.config.actorder == "group" and scheme.weights.strategy == "group"
         # What config.json's quantization_config records as `actorder` (vLLM loads "weight"/None).
         self.config_actorder = "group" if self.writes_g_idx else ("weight" if self.config.actorder == "static" else None)

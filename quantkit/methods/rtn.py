@@ -10,7 +10,8 @@
               multiplies on calibration text (llama.cpp's importance matrix). Only the few samples that flow
               anyway to measure each layer's error (`calibration.error_samples`, 8 x seq_len tokens) are used:
               measured on SmolLM2, 8 samples gave the same held-out KL as 128.
-Float (fp8, fp4) weights always use the plain range.
+fp4 weights (NVFP4, MXFP4) take the same search over their own scale grid (e4m3 under the global scale, or powers
+of two, where the next power up is a candidate as well); fp8 weights always use the plain range.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from quantkit.errors import InputError
 from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
+from quantkit.quant.fp4 import fp4_global_scale, quantize_fp4, search_fp4_scales
 from quantkit.quant.integer import mse_weight_qparams, quantize_weight
 from quantkit.quant.weights import quantize_any
 
@@ -79,7 +81,7 @@ class RTN(Method):
     @property
     def uses_statistics(self) -> bool:
         # fp8 weights always take their plain range: nothing to weight
-        return self.scale_search == "activation" and self.scheme.weights.type == "int"
+        return self.scale_search == "activation" and not self.scheme.weights.is_fp8
 
     def importance(self, name: str) -> torch.Tensor | None:
         name = self._shared.leader(name)
@@ -91,14 +93,21 @@ class RTN(Method):
     def apply(self, ctx: LayerContext) -> None:
         for name in ctx.pending():
             weight, args = ctx.targets[name].weight.data, ctx.scheme_for(name).weights
-            if self.scale_search != "minmax" and args.type == "int":
-                importance = self.importance(name) if self.scale_search == "activation" else None
-                if self.scale_search == "activation" and importance is None:
-                    ctx.warn(name, "no calibration inputs reached this linear; rtn used the unweighted mse search")
+            search = self.scale_search != "minmax" and (args.type == "int" or args.is_fp4)
+            importance = self.importance(name) if search and self.scale_search == "activation" else None
+            if search and self.scale_search == "activation" and importance is None:
+                ctx.warn(name, "no calibration inputs reached this linear; rtn used the unweighted mse search")
+            if search and args.type == "int":
                 with ctx.phase("scale_search"):
                     scale, zp = mse_weight_qparams(weight, args, ctx.weight_dtype, importance=importance)
                 q, scale, zp = quantize_weight(weight, args, scale, zp, scale_dtype=ctx.weight_dtype)
                 result = QuantizedWeight(q, scale.float(), None if args.symmetric else zp, method=self.name)
+            elif search:  # fp4
+                global_scale = fp4_global_scale(weight, args, ctx.global_scale(name))
+                with ctx.phase("scale_search"):
+                    scale = search_fp4_scales(weight, args, global_scale, importance)
+                q = quantize_fp4(weight.float(), scale, args.group_size, global_scale)
+                result = QuantizedWeight(q, scale, None, global_scale=global_scale, method=self.name)
             else:
                 q, scale, zp, global_scale = quantize_any(weight, args, ctx.weight_dtype, ctx.global_scale(name))
                 result = QuantizedWeight(q, scale, zp, global_scale=global_scale, method=self.name)

@@ -102,11 +102,9 @@ def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def fp4_group_scales(values: torch.Tensor, args: QuantArgs, global_scale: torch.Tensor | None) -> torch.Tensor:
-    """Stored per-row scale of one group's columns [rows, group] (fp32: e4m3 values for NVFP4, 2^k for MXFP4)."""
-    absmax = values.abs().amax(dim=-1)
-    if args.fp4_global:
-        return nvfp4_group_scales(absmax, global_scale)
-    return mx_scale_values(mx_exponents(absmax))
+    """Stored per-row scale [rows, 1] of one group's columns [rows, group] (fp32: e4m3 values for NVFP4, 2^k for
+    MXFP4); `global_scale` [1] or per row [rows, 1]."""
+    return fp4_group_scales_of(values.abs().amax(dim=-1, keepdim=True), args, global_scale)
 
 
 def effective_scale(scale: torch.Tensor, global_scale: torch.Tensor | None) -> torch.Tensor:
@@ -120,16 +118,16 @@ def quantize_fp4_weight(weight: torch.Tensor, args: QuantArgs, global_scale: tor
     [out, in / group], global scale fp32 [1] or None). NVFP4's global scale is the weight's own unless given
     (linears an engine fuses, q/k/v or gate/up, must share one)."""
     w = weight.float()
-    grouped = group_view(w, args.group_size)
-    absmax = grouped.abs().amax(dim=-1)
-    if args.fp4_global:
-        global_scale = nvfp4_global_scale(w.abs().amax()) if global_scale is None else global_scale.to(w.device)
-        scale = nvfp4_group_scales(absmax, global_scale)
-    else:
-        global_scale = None
-        scale = mx_scale_values(mx_exponents(absmax))
-    q = quantize_fp4(w, scale, args.group_size, global_scale)
-    return q, scale, global_scale
+    global_scale = fp4_global_scale(w, args, global_scale)
+    scale = fp4_group_scales_of(group_view(w, args.group_size).abs().amax(dim=-1), args, global_scale)
+    return quantize_fp4(w, scale, args.group_size, global_scale), scale, global_scale
+
+
+def fp4_global_scale(weight: torch.Tensor, args: QuantArgs, given: torch.Tensor | None = None) -> torch.Tensor | None:
+    """NVFP4's global scale: `given` (shared by fused linears) or the weight's own; None for MXFP4."""
+    if not args.fp4_global:
+        return None
+    return nvfp4_global_scale(weight.abs().amax()) if given is None else given.to(weight.device)
 
 
 def quantize_fp4(x: torch.Tensor, scale: torch.Tensor, group_size: int,
@@ -161,3 +159,48 @@ def fake_quantize_fp4_activation(x: torch.Tensor, args: QuantArgs,
     s = effective_scale(scale, global_scale)
     q = round_to_e2m1((grouped / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX))
     return (q * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
+
+
+def search_fp4_scales(weight: torch.Tensor, args: QuantArgs, global_scale: torch.Tensor | None,
+                      importance: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored fp4 group scales [out, in / group] of an [out, in] weight chosen per group to minimise its squared
+    rounding error (each column's weighted by `importance` [in] when given), among the plain absmax scale and its
+    neighbours on the format's own scale grid: for NVFP4 the e4m3 value one above and three below (about 0.75x to
+    1.1x: the integer search's 0.8-1.0 shrink range, which e4m3's three mantissa bits cut into a handful of distinct
+    scales), for MXFP4 the power of two above and below (the format's rule lets a group's top clip to 6; one up
+    does not). The plain scale is the first candidate and is kept on ties."""
+    w = weight.float()
+    grouped = group_view(w, args.group_size)
+    plain = fp4_group_scales_of(grouped.abs().amax(dim=-1), args, global_scale)
+    imp = None if importance is None else group_view(importance.float().reshape(1, -1), args.group_size)
+    best_err = best = None
+    for step in ((0, 1, -1, -2, -3) if args.fp4_global else (0, 1, -1)):
+        scale = _scale_neighbour(plain, step, args)
+        s = effective_scale(scale, global_scale).unsqueeze(-1)
+        err = (round_to_e2m1((grouped / s).clamp(-FP4_MAX, FP4_MAX)) * s - grouped).pow(2)
+        err = (err if imp is None else err * imp).sum(dim=-1)
+        if best is None:
+            best_err, best = err, scale
+        else:
+            better = err < best_err
+            best_err, best = torch.where(better, err, best_err), torch.where(better, scale, best)
+    return best
+
+
+def _scale_neighbour(scale: torch.Tensor, step: int, args: QuantArgs) -> torch.Tensor:
+    """The stored scale `step` places up (+) or down (-) the format's scale grid: e4m3 bit patterns are ordered
+    like their values, so a neighbour is the pattern plus `step` (kept within the positive finite ones); MXFP4's
+    neighbours are the powers of two."""
+    if step == 0:
+        return scale
+    if not args.fp4_global:
+        return scale * 2.0 ** step
+    codes = scale.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int16) + step
+    return codes.clamp(1, 0x7E).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def fp4_group_scales_of(group_absmax: torch.Tensor, args: QuantArgs, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """Stored scales (fp32) of given per-group absmax values under the format's rule."""
+    if args.fp4_global:
+        return nvfp4_group_scales(group_absmax, global_scale)
+    return mx_scale_values(mx_exponents(group_absmax))

@@ -118,3 +118,28 @@ def test_activation_fake_quantisation_is_compressed_tensors(scheme, dtype):
     ours = fake_quantize_fp4_activation(x, args, global_scale)
     assert ours.dtype == theirs.dtype == dtype
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "MXFP4A16"])
+def test_scale_search_never_loses_to_the_plain_scale_and_follows_the_importance(scheme):
+    from quantkit.quant.fp4 import dequantize_fp4, fp4_global_scale, quantize_fp4, search_fp4_scales
+
+    args = get_scheme(scheme).weights
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 256, generator=g) * 0.05
+    w[:, 7] *= 12  # an outlier column
+    importance = torch.rand(256, generator=g) + 0.01
+    gs = fp4_global_scale(w, args)
+
+    def error(scale, imp):
+        deq = dequantize_fp4(quantize_fp4(w, scale, args.group_size, gs), scale, args.group_size, gs)
+        return float(((deq - w) ** 2 * imp).sum())
+
+    plain = quantize_fp4_weight(w, args)[1]
+    for imp in (None, importance):
+        searched = search_fp4_scales(w, args, gs, imp)
+        weights = torch.ones(256) if imp is None else imp
+        assert error(searched, weights) < error(plain, weights)
+    # Weighting by importance lowers the weighted error below the unweighted search's choice.
+    assert error(search_fp4_scales(w, args, gs, importance), importance) <= \
+        error(search_fp4_scales(w, args, gs), importance)

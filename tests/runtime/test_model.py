@@ -283,6 +283,9 @@ def test_fp4_and_w4afp8_checkpoints_match_transformers_bitwise(bf16_tiny, tmp_pa
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
     got, rt = _runtime_logits(path, ids)
     assert set(rt.formats) == {{"W4AFP8": "w4afp8"}.get(scheme, scheme[:5].lower())}
+    from quantkit.inspect import inspect_checkpoint
+
+    assert inspect_checkpoint(path)["scheme"] == {"W4AFP8": "W4AFP8 g32"}.get(scheme, scheme)
     if family == "qwen3_moe" and scheme.startswith("NVFP4"):
         # transformers 5.25 stacks the experts into one fused tensor and drops their weight_global_scale there
         # (its expert weights come out ~global-scale times too large), so compressed-tensors' own per-module
@@ -294,6 +297,11 @@ def test_fp4_and_w4afp8_checkpoints_match_transformers_bitwise(bf16_tiny, tmp_pa
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
     else:
         assert torch.equal(got, ref), f"max diff {(got - ref).abs().max().item()}"
+    # The kernels the runtime picks by default serve W4AFP8 (activations rounded to fp8 first) and leave fp4 to the
+    # reference; either way, the logits of the reference.
+    auto, rt_auto = _runtime_logits(path, ids, kernels="auto")
+    assert ("reference" in rt_auto.kernels[next(iter(rt_auto.formats))]) == scheme.startswith(("NV", "MX"))
+    torch.testing.assert_close(auto, got, atol=2e-2, rtol=2e-2)
     if scheme.startswith("NVFP4"):
         # vLLM runs q/k/v and gate/up as one matmul under one global scale: the checkpoint gives them one.
         with safe_open(next(path.glob("*.safetensors")), "pt") as f:

@@ -100,7 +100,7 @@ class DequantKernel:
         w = fmt.weights
         if torch.device(device).type != "cpu" or not dtype.is_floating_point:
             return False
-        if w.type == "int" and w.num_bits not in (4, 8):
+        if (w.type == "int" and w.num_bits not in (4, 8)) or w.is_fp4:  # fp4: the reference serves it
             return False
         if w.strategy == "block" and not w.block:
             return False
