@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--num-samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--only", default=None, help="comma-separated checkpoint names to build (default: all)")
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "attribution")
     args = ap.parse_args()
 
@@ -32,6 +33,8 @@ def main() -> None:
     qk = str(ROOT / ".venv" / "bin" / "quantkit")
     ckpts = {"RTN W4A16 g64": ["--method", "rtn", "--scheme", "W4A16", "--group-size", "64"],
              "GPTQ NVFP4A16": ["--method", "gptq", "--scheme", "NVFP4A16", "--num-samples", "64"]}
+    if args.only:
+        ckpts = {k: v for k, v in ckpts.items() if k in args.only.split(",")}
     paths = []
     for name, flags in ckpts.items():
         out = args.work / name.replace(" ", "_")
@@ -45,14 +48,14 @@ def main() -> None:
     rows = json.loads(res["stdout"])["results"]
     md = ["# Per-layer attribution of the KL (`quantkit eval --attribution`)", "",
           f"model `{model.name}`; held-out KJV {args.num_samples} x {args.seq_len} tokens; each decoder layer swapped "
-          f"back to the unquantised model's, one at a time; eval wall {res['wall_s']:.0f} s for both checkpoints; "
+          f"back to the unquantised model's, one at a time; eval wall {res['wall_s']:.0f} s for {len(ckpts)} checkpoint(s), taken beside other runs; "
           f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, load average "
           f"before {load['before']:.2f}, after {load['after']:.2f}", ""]
     for name, row in zip(ckpts, rows):
         a = row["attribution"]
         top = sorted(a["layers"], key=lambda x: -x["contribution"])[:5]
         md += [f"## {name}", "",
-               f"KL {a['kl_mean']:.5f}; sum of the 30 layers' contributions {a['sum_of_contributions']:.5f} "
+               f"KL {a['kl_mean']:.5f}; sum of the {len(a['layers'])} layers' contributions {a['sum_of_contributions']:.5f} "
                f"({a['explained']:.1%} of the whole). Largest: "
                + ", ".join(f"layer {x['layer']} {x['contribution']:.5f} ({x['share']:.1%})" for x in top), "",
                "| layer | KL without it | contribution | share |", "|---|---|---|---|"]
