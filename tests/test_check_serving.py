@@ -269,3 +269,18 @@ def test_mla_on_the_cpu_build_warns_about_its_rope(tiny_models, tmp_path):
     cpu = [w["reason"] for w in _check(out, "--gpu", "cpu")["warnings"]]
     gpu = [w["reason"] for w in _check(out, "--gpu", "sm_90")["warnings"]]
     assert any("RoPE part of MLA attention" in r for r in cpu) and not any("RoPE part" in r for r in gpu)
+
+
+def test_fp4_has_no_cpu_kernel_and_w4afp8_only_hopper(tiny_models, tmp_path):
+    """vLLM 0.32.0's CPU build refuses NVFP4 (`Marlin FP4 not available`, benchmarks/results/vllm_agreement.md); its
+    GPU schemes: W4A4Fp4 from sm_75, W4A8Fp8 on sm_90 exactly. fp4 linears have no weight_shape: they are found
+    by their packed bytes."""
+    nv, w4a8 = tmp_path / "nv", tmp_path / "w4afp8"
+    _quantize(tiny_models["llama"], nv, scheme="NVFP4A16")
+    _quantize(tiny_models["llama"], w4a8, scheme="W4AFP8")
+    cpu = _check(nv, "--gpu", "cpu")
+    assert not cpu["compatible"] and cpu["linears_checked"] == 14
+    assert "no vLLM nvfp4 kernel on the CPU build" in cpu["problems"][0]["reason"]
+    assert _check(nv, "--gpu", "sm_90")["compatible"]
+    assert _check(w4a8, "--gpu", "sm_90")["compatible"]
+    assert not _check(w4a8, "--gpu", "sm_100")["compatible"]

@@ -32,7 +32,7 @@ class ServingTarget:
         g = self.gpu.lower().strip()
         if g == "cpu":
             return "cpu", None
-        m = re.fullmatch(r"sm_?(\d)(\d)a?", g)
+        m = re.fullmatch(r"sm_?(\d+)(\d)a?", g)
         if not m:
             raise InputError(f"unknown --gpu {self.gpu!r}: use sm_80, sm_86, sm_89, sm_90, sm_100, ... or cpu")
         return "cuda", int(m.group(1)) * 10 + int(m.group(2))
@@ -75,6 +75,10 @@ def _linears(index) -> dict[str, tuple[int, int, bool]]:
                 continue
             n, k = index.tensors[name].shape
             out[module] = (int(n), int(k), f"{module}.weight_scale" in names)
+        elif name.endswith(".weight_packed") and f"{name[:-len('_packed')]}_shape" not in names \
+                and index.tensors[name].dtype == "U8":  # fp4: two e2m1 values a byte, no weight_shape
+            n, half = index.tensors[name].shape
+            out[name[: -len(".weight_packed")]] = (int(n), 2 * int(half), True)
     return out
 
 
