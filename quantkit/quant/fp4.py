@@ -151,11 +151,7 @@ def fake_quantize_fp4_activation(x: torch.Tensor, args: QuantArgs,
     """Activation fp4 fake-quantisation with dynamic per-group scales (MXFP4: e8m0; NVFP4: e4m3 under the static
     `input_global_scale`), in x's dtype as consumers simulate it."""
     grouped = group_view(x, args.group_size)
-    absmax = grouped.abs().amax(dim=-1)
-    if args.fp4_global:
-        scale = nvfp4_group_scales(absmax, global_scale).to(x.dtype)
-    else:
-        scale = mx_scale_values(mx_exponents(absmax)).to(x.dtype)
+    scale = fp4_group_scales_of(grouped.abs().amax(dim=-1), args, global_scale).to(x.dtype)
     s = effective_scale(scale, global_scale)
     q = round_to_e2m1((grouped / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX))
     return (q * s.unsqueeze(-1)).flatten(-2).to(x.dtype)
