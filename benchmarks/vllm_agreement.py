@@ -51,6 +51,8 @@ KINDS = {
     "NVFP4A16": [RTN + ["--scheme", "NVFP4A16"]],
     "MXFP4A16": [RTN + ["--scheme", "MXFP4A16"]],
     "W4AFP8": [RTN + ["--scheme", "W4AFP8", "--group-size", "64"]],
+    "mixed W4A16 / W8A16 at 4.3 bits": [RTN + ["--schemes", "W4A16:ch,W4A16:g128,W4A16:g64,W4A16:g32,W8A16:ch",
+                                               "--target-bits", "4.3"]],
 }
 
 

@@ -150,6 +150,9 @@ def quantize(
     compute_dtype: str = typer.Option("auto", "--compute-dtype", help="Calibration matmul dtype: auto (the faster of bf16 and fp32 on this machine, measured once), bfloat16 or float32."),
     strict: bool = typer.Option(False, "--strict", help="Refuse layers that cannot take the scheme instead of falling back."),
     kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="Also calibrate an fp8 KV cache: fp8 (one key and one value scale per layer) or fp8-head (per KV head); written as kv_cache_scheme with k_scale / v_scale, as vLLM loads them."),
+    schemes: Optional[str] = typer.Option(None, "--schemes", help="Mixed precision: the schemes a linear may take, comma-separated NAME[:gSIZE|:ch] (e.g. W4A16:g128,W4A16:g64,W8A16:ch); each linear gets one, chosen by its estimated KL under --target-bits or --max-kl (plan in precision_plan.json)."),
+    target_bits: Optional[float] = typer.Option(None, "--target-bits", help="Mixed precision: the bits per quantised weight (scales included) not to exceed; the plan with the least estimated KL within it."),
+    max_kl: Optional[float] = typer.Option(None, "--max-kl", help="Mixed precision: the estimated output KL (nats per token) not to exceed; the smallest plan within it."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size you will serve with: warn about linears vLLM could not split."),
     alpha: Optional[float] = typer.Option(None, "--alpha", help="SmoothQuant migration strength in [0, 1] (default 0.8)."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the checkpoint (off by default)."),
@@ -176,6 +179,21 @@ def quantize(
                                         "smoothquant": {**rec.quantization.options.get("smoothquant", {}), "alpha": alpha}}
         if tp is not None and tp < 1:
             raise QuantkitError(f"--tp must be at least 1, got {tp}")
+        if schemes is not None or target_bits is not None or max_kl is not None:
+            from quantkit.recipe import MixedSpec
+
+            before = rec.quantization.mixed
+            given = [x.strip() for x in schemes.split(",") if x.strip()] if schemes is not None else None
+            budget = {"target_bits": target_bits, "max_kl": None} if target_bits is not None else (
+                {"target_bits": None, "max_kl": max_kl} if max_kl is not None else {})
+            if target_bits is not None and max_kl is not None:
+                raise QuantkitError("give one budget: --target-bits or --max-kl, not both")
+            fields_ = {"schemes": before.schemes, "target_bits": before.target_bits, "max_kl": before.max_kl,
+                       "samples": before.samples, "draws": before.draws} if before else {}
+            fields_.update(budget)
+            if given is not None:
+                fields_["schemes"] = given
+            rec.quantization.mixed = MixedSpec(**fields_)
         rec.override("calibration", dataset=dataset, num_samples=num_samples, seq_len=seq_len, seed=seed,
                      text_column=text_column, schedule=schedule)
         out = output or (Path(rec.output) if rec.output else None)
@@ -230,7 +248,13 @@ def quantize(
             errs = [layer["rel_error"] for layer in summary["layers"] if layer.get("rel_error") is not None]
             if errs:
                 console.print(f"per-layer relative output error: mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f}")
-            for name, modules in summary.get("scheme_overrides", {}).items():
+            mixed = summary.get("precision")
+            if mixed:
+                console.print(f"mixed precision: {mixed['bits_per_weight']} bits/weight planned, estimated KL "
+                              f"{mixed['estimated_kl']:.4g}; " + ", ".join(
+                                  f"{label} {v['linears']} linears" for label, v in mixed["schemes"].items())
+                              + f" (per linear: {summary['output']}/precision_plan.json)", highlight=False)
+            for name, modules in ({} if mixed else summary.get("scheme_overrides", {})).items():
                 console.print(f"[yellow]note:[/] {len(modules)} linears use {name} instead (input size not a "
                               f"multiple of the block): {', '.join(modules[:4])}{' ...' if len(modules) > 4 else ''}")
             for event in summary["events"]:

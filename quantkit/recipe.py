@@ -17,6 +17,30 @@ class ModelSpec:
 
 
 @dataclass
+class MixedSpec:
+    """Mixed precision: one of `schemes` per linear, chosen under a size or an accuracy budget."""
+
+    schemes: list[str] = field(default_factory=list)  # the allowed choices, spelt NAME[:gSIZE|:ch] (W4A16:g64)
+    target_bits: float | None = None  # bits per quantised weight, scales included (the manifest's figure)
+    max_kl: float | None = None  # estimated KL of the output (nats per token), summed over the linears
+    samples: int = 8  # calibration sequences the sensitivity pass reads
+    draws: int = 4  # next-token draws per sequence in that pass
+
+    def __post_init__(self) -> None:
+        if not self.schemes:
+            raise InputError("mixed precision needs --schemes, the choices a linear may take (e.g. "
+                             "W4A16:g128,W4A16:g64,W8A16:ch)")
+        if (self.target_bits is None) == (self.max_kl is None):
+            raise InputError("mixed precision needs exactly one budget: --target-bits B or --max-kl X")
+        if self.target_bits is not None and not self.target_bits > 0:
+            raise InputError(f"--target-bits must be positive, got {self.target_bits}")
+        if self.max_kl is not None and not self.max_kl > 0:
+            raise InputError(f"--max-kl must be positive, got {self.max_kl}")
+        if self.samples < 1 or self.draws < 1:
+            raise InputError("mixed.samples and mixed.draws must be at least 1")
+
+
+@dataclass
 class QuantizationSpec:
     method: str = "rtn"
     scheme: str = "W4A16"
@@ -25,6 +49,15 @@ class QuantizationSpec:
     options: dict = field(default_factory=dict)  # per-method options, keyed by method name
     strict: bool = False  # refuse instead of falling back when a layer cannot take the scheme (FP8_BLOCK)
     kv_cache: str | None = None  # fp8 (one scale per layer) | fp8-head (per KV head): a calibrated fp8 KV cache
+    mixed: MixedSpec | None = None  # per-linear schemes under a budget (quantkit.pipeline.mixed)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mixed, dict):
+            known = {f.name for f in fields(MixedSpec)}
+            bad = set(self.mixed) - known
+            if bad:
+                raise InputError(f"recipe section 'quantization.mixed' has unknown field(s): {', '.join(sorted(bad))}")
+            self.mixed = MixedSpec(**self.mixed)
 
 
 SCHEDULES = ("auto", "one-pass", "two-pass")

@@ -79,20 +79,22 @@ def build_quantization_config(scheme: Scheme, ignore: list[str], actorder: str |
     compressed-tensors pulls in transformers and torch.distributed (about 2 s), which would dominate the
     data-free FP8 path.
 
-    `overrides` maps a scheme name to the checkpoint module names that use it instead of `scheme` (e.g. the
+    `overrides` maps a scheme label (`Scheme.label`) to the checkpoint module names that use it instead of `scheme` (e.g. the
     FP8_BLOCK layers whose K is not a multiple of 128); each becomes its own config group targeting those
     names, which both compressed-tensors and vLLM match before the class target "Linear".
     """
     from importlib.metadata import version
 
     from quantkit.quant.kv_cache import kv_cache_scheme
-    from quantkit.quant.schemes import get_scheme
+    from quantkit.quant.schemes import parse_choice
 
     # act-order "group" (g_idx) is what older compressed-tensors / vLLM read; compressed-tensors >= 0.20
     # refuses to validate it and current vLLM refuses such checkpoints loudly.
     groups = {"group_0": _group(["Linear"], scheme, actorder)}
-    for k, (name, modules) in enumerate(sorted((overrides or {}).items()), start=1):
-        groups[f"group_{k}"] = _group(sorted(modules), get_scheme(name), None)
+    for k, (label, modules) in enumerate(sorted((overrides or {}).items()), start=1):
+        other = parse_choice(label)
+        # GPTQ's static act-order is recorded on every integer group it quantised (the FP8 fallbacks it did not)
+        groups[f"group_{k}"] = _group(sorted(modules), other, actorder if other.weights.type == "int" else None)
     formats = {g["format"] for g in groups.values()}
     return {
         "config_groups": groups,

@@ -427,9 +427,10 @@ class AWQ(Method):
         return out
 
     def _search_and_fold(self, ctx: LayerContext, mp: _Mapping, modules: dict, work: dict, rescale: dict) -> None:
-        cfg, args, dtype = self.config, self.scheme.weights, ctx.weight_dtype
+        cfg, dtype = self.config, ctx.weight_dtype
         m = mp.m
         quantised = [t for t in m.targets if t in ctx.targets]
+        args = ctx.scheme_for(quantised[0]).weights  # the group's mean weight magnitude, in its first one's groups
         leader = self._shared.leader(quantised[0])
         st = self._stats.get(leader)
         x_mean = st.mean_abs() if st else None
@@ -459,7 +460,8 @@ class AWQ(Method):
                 for _, s in candidates:
                     with elementwise_threads(work[quantised[0]].device):
                         for t in quantised:
-                            scaled_fake_quant(work[t], cols_for(s, t), args, dtype, out=modules[t].weight.data)
+                            scaled_fake_quant(work[t], cols_for(s, t), ctx.scheme_for(t).weights, dtype,
+                                              out=modules[t].weight.data)
                     outs = [_first(block(*a, **k)) for a, k in mp.samples]
                     with elementwise_threads(work[quantised[0]].device):
                         loss = sum(float(torch.linalg.vector_norm(o - r, dtype=torch.float32) ** 2) / o.numel()
@@ -478,7 +480,7 @@ class AWQ(Method):
                 for _, s in candidates:
                     loss = 0.0
                     for t in quantised:
-                        loss += hessian_loss(work[t], scaled_fake_quant(work[t], cols_for(s, t), args, dtype), h)
+                        loss += hessian_loss(work[t], scaled_fake_quant(work[t], cols_for(s, t), ctx.scheme_for(t).weights, dtype), h)
                     losses.append(loss)
         finite = [i for i, v in enumerate(losses) if math.isfinite(v)]
         if not finite:

@@ -423,6 +423,7 @@ class _Problem:
     weight: torch.Tensor | None  # fp32 [R, n], built when the problem is solved (see GPTQ._weights)
     h: torch.Tensor  # fp32 [n, n], (2/n_tokens) sum x x^T; after _prepare, permuted to the solve order
     rows: list[int]
+    args: QuantArgs  # the weights' scheme (a mixed plan may give linears sharing an input different ones)
     perm: torch.Tensor | None = None  # the solve order h is in, once _prepare has permuted it
 
 
@@ -506,11 +507,12 @@ class GPTQ(Method):
     def _apply(self, ctx: LayerContext) -> None:
         cfg = self.config
         pending = ctx.pending()
-        groups: dict[str, list[str]] = {}
+        groups: dict[tuple, list[str]] = {}
         for name in pending:
-            groups.setdefault(self._shared.leader(name), []).append(name)
+            groups.setdefault((self._shared.leader(name), ctx.scheme_for(name).weights), []).append(name)
         problems: list[_Problem] = []
-        for leader, names in groups.items():
+        hessians: dict[str, torch.Tensor] = {}
+        for (leader, args), names in groups.items():
             tokens = self._tokens.get(leader, 0)
             bad = self._bad_batches.get(leader, 0)
             if bad:
@@ -521,9 +523,11 @@ class GPTQ(Method):
                     ctx.warn(name, f"gptq: {why}; fell back to RTN")
                     self._rtn(ctx, name, reason="no-tokens")
                 continue
-            h = self._sums.pop(leader).mul_(2.0 / tokens).float()  # the float64 sum is freed here
+            if leader not in hessians:  # the float64 sum is freed here; linears of other schemes share the result
+                hessians[leader] = self._sums.pop(leader).mul_(2.0 / tokens).float()
             rows = [ctx.targets[name].weight.shape[0] for name in names]
-            problems.append(_Problem(names, None, h, rows))
+            problems.append(_Problem(names, None, hessians[leader], rows, args))
+        del hessians
         self._sums = {}
         # Same-shape problems (MoE experts) are solved as one batch; padding rows to batch unequal shapes
         # measured slower than solving them one by one (2.8 s vs 2.0 s for a SmolLM2 layer). Smallest
@@ -531,7 +535,7 @@ class GPTQ(Method):
         # when the others are gone.
         by_shape: dict[tuple, list[_Problem]] = {}
         for p in problems:
-            key = (sum(p.rows), p.h.shape[0]) if cfg.batch_problems else (id(p),)
+            key = (sum(p.rows), p.h.shape[0], p.args) if cfg.batch_problems else (id(p),)
             by_shape.setdefault(key, []).append(p)
         del problems
         units: list[list[_Problem]] = []
@@ -590,7 +594,7 @@ class GPTQ(Method):
         return torch.cat(weights) if len(weights) > 1 else weights[0]
 
     def _rtn(self, ctx: LayerContext, name: str, reason: str, weight: torch.Tensor | None = None) -> None:
-        args = self.scheme.weights
+        args = ctx.scheme_for(name).weights
         w = ctx.targets[name].weight.data.float() if weight is None else weight
         w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
         q, scale, zp, gs = quantize_any(w, args, ctx.weight_dtype, ctx.global_scale(name))
@@ -615,7 +619,7 @@ class GPTQ(Method):
                 if attempt:
                     for name in p.names:
                         ctx.warn(name, f"gptq: Cholesky failed at dampening {cfg.dampening:g}; raised to {damp:g}")
-                return perm, u[0], column_groups(p.h.shape[0], self.scheme.weights, perm, cfg.actorder), damp
+                return perm, u[0], column_groups(p.h.shape[0], p.args, perm, cfg.actorder), damp
             damp = damp * 10 if damp > 0 else 1e-4
         for name in p.names:
             ctx.warn(name, f"gptq: Hessian stayed singular up to dampening {damp / 10:g}; fell back to RTN")
@@ -653,7 +657,7 @@ class GPTQ(Method):
             p.weight = p.h = None
 
     def _run_solve(self, ctx: LayerContext, weight: torch.Tensor, ready: list):
-        cfg, args = self.config, self.scheme.weights
+        cfg, args = self.config, ready[0][0].args  # a batch holds problems of one scheme
         row_global = None
         if args.fp4_global:
             row_global = torch.ones(weight.shape[:2], device=weight.device)
@@ -679,8 +683,8 @@ class GPTQ(Method):
         )
 
     def _keep_or_fall_back(self, ctx: LayerContext, ready: list, result) -> None:
-        args = self.scheme.weights
         for b, (p, perm, _u, col_group, damp) in enumerate(ready):
+            args = p.args
             r_all = p.weight.shape[0]
             q, scale, zp = result.q[b, :r_all], result.scale[b, :r_all], result.zero_point[b, :r_all]
             off = 0

@@ -632,6 +632,7 @@ class RunSetup:
     n_batches: int
     weight_dtype: torch.dtype
     specs: list[TensorSpec]
+    precision: dict | None = None  # --target-bits / --max-kl: the per-linear plan (quantkit.pipeline.mixed)
 
     def activation_bytes(self, dtype: torch.dtype | None = None) -> int:
         """One generation of calibration activations (every sample's hidden states entering a layer)."""
@@ -648,11 +649,12 @@ class RunSetup:
         return sum(spec.nbytes for spec in self.specs)
 
 
-def prepare_run(recipe: Recipe, tp: int | None = None) -> RunSetup:
+def prepare_run(recipe: Recipe, tp: int | None = None, device: str = "cpu") -> RunSetup:
     q, c = recipe.quantization, recipe.calibration
     c.__post_init__()  # fields set after loading (CLI flags) are checked as a loaded recipe's are
     scheme = get_scheme(q.scheme, q.group_size)
     methods = build_methods(q.method, scheme, q.options)
+    choices = _mixed_choices(q, methods) if q.mixed else None
     resolved = resolve_model(recipe.model.source)
     handle = open_model(resolved, recipe.model.trust_remote_code)
     from transformers import AutoTokenizer
@@ -665,7 +667,8 @@ def prepare_run(recipe: Recipe, tp: int | None = None) -> RunSetup:
     plans = plan_layers(handle, scheme, q.ignore, strict=q.strict)
     if q.kv_cache:
         plan_kv_cache(handle, plans, q.kv_cache)
-    check_group_divisibility(plans, scheme)
+    if not q.mixed:  # a mixed plan drops, per linear, the choices whose groups do not fit
+        check_group_divisibility(plans, scheme)
     if not any(p.targets for p in plans):
         raise InputError("nothing to quantise: every linear is ignored")
     from quantkit.pipeline.tp import tp_warnings
@@ -673,7 +676,7 @@ def prepare_run(recipe: Recipe, tp: int | None = None) -> RunSetup:
     shard_warnings = tp_warnings(plans, tp)
 
     needs_stats = any(m.needs_calibration for m in methods) or scheme.static_activations or bool(q.kv_cache)
-    n_samples = c.num_samples if needs_stats else min(c.num_samples, c.error_samples)
+    n_samples = c.num_samples if needs_stats else min(c.num_samples, max(c.error_samples, q.mixed.samples if q.mixed else 0))
     calib = build_token_blocks(tokenizer, c.dataset, n_samples, c.seq_len, c.seed, text_column=c.text_column)
     vocab = getattr(handle.config, "vocab_size", None) or getattr(handle.config.get_text_config(), "vocab_size", None)
     if vocab is not None and int(calib.input_ids.max()) >= vocab:
@@ -684,6 +687,20 @@ def prepare_run(recipe: Recipe, tp: int | None = None) -> RunSetup:
     batch_size = c.batch_size or _auto_batch(c.seq_len)
     n_batches = math.ceil(n_samples / batch_size)
     weight_dtype = handle.source_dtype()
+    precision = None
+    if q.mixed:
+        from quantkit.pipeline.mixed import base_scheme, plan_precision
+
+        with progress_bar() as progress:
+            task = progress.add_task("sensitivity", total=len(plans), info="per-linear KL estimate")
+            precision = plan_precision(handle, plans, q.mixed, choices, calib.input_ids, weight_dtype, device,
+                                       on_layer=lambda: progress.advance(task))
+        scheme = base_scheme(plans)
+        for p in plans:
+            for t in p.targets:
+                if t.scheme.label == scheme.label:
+                    t.scheme = scheme
+        methods = build_methods(q.method, scheme, q.options)
     # Every output tensor, in order: non-layer tensors as on disk, then each layer.
     specs: list[TensorSpec] = []
     for name in handle.non_layer_checkpoint_names():
@@ -702,7 +719,21 @@ def prepare_run(recipe: Recipe, tp: int | None = None) -> RunSetup:
             attn = handle.checkpoint_name(p.index, p.kv_attention)
             specs += [TensorSpec(f"{attn}.{leaf}", weight_dtype, shape) for leaf in ("k_scale", "v_scale")]
     return RunSetup(recipe, scheme, methods, resolved, handle, tokenizer, plans, shard_warnings, calib, n_samples,
-                    batch_size, n_batches, weight_dtype, specs)
+                    batch_size, n_batches, weight_dtype, specs, precision)
+
+
+def _mixed_choices(q, methods: list[Method]) -> list[Scheme]:
+    """The schemes a mixed plan may use, each one every method of the run can produce."""
+    from quantkit.methods import check_schemes
+    from quantkit.pipeline.mixed import parse_choices
+
+    choices = parse_choices(q.mixed, q.group_size)
+    for s in choices:
+        check_schemes([m.name for m in methods], s)
+    if _writes_g_idx(methods):
+        raise InputError("mixed precision with GPTQ act-order 'group' is not supported (its g_idx layout is "
+                         "per scheme); use --actorder static (the default)")
+    return choices
 
 
 def quantize_model(
@@ -781,14 +812,15 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
     methods = build_methods(q.method, scheme, q.options)
     from quantkit.pipeline.stream import stream_quantize, streams
 
-    if streams(methods, scheme, q.kv_cache):
+    if not q.mixed and streams(methods, scheme, q.kv_cache):
         if not ranks.writer:  # data-free: nothing to calibrate, rank 0 converts tensor by tensor
             return {"rank": ranks.rank, "output": str(output)}
         return stream_quantize(recipe, output, scheme, overwrite=options.overwrite,
                                max_shard_bytes=options.max_shard_bytes, tp=options.tp)
     partial = output.with_name(output.name + ".partial")
-    setup = prepare_run(recipe, options.tp)
+    setup = prepare_run(recipe, options.tp, device)
     resolved, handle, plans, calib = setup.resolved, setup.handle, setup.plans, setup.calib
+    scheme = setup.scheme  # a mixed plan's most common choice
     n_batches = setup.n_batches
     weight_dtype = setup.weight_dtype
     methods = setup.methods  # fresh instances: the ones above only decided the path
@@ -869,6 +901,10 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
 
     recipe_used, overrides = write_config_and_extras(handle, plans, scheme, recipe, partial, output,
                                                      actorder=_actorder(methods))
+    if setup.precision is not None:
+        from quantkit.pipeline.mixed import PLAN_FILE
+
+        (partial / PLAN_FILE).write_text(json.dumps(setup.precision, indent=2))
     # Before the manifest, so the profile is hashed with the rest of the checkpoint.
     wrote_profile = write_routing_profile(handle, journal, calib, partial)
     shutil.rmtree(run.state_dir, ignore_errors=True)
@@ -901,6 +937,8 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
         "tp_warnings": setup.tp_warnings,
         "resume_state_bytes": journal.state_bytes,
     }
+    if setup.precision is not None:
+        summary["precision"] = {k: v for k, v in setup.precision.items() if k != "linears"}
     if ranks.distributed:
         moved = [r.get("bytes_moved", 0) for r in journal.layer_records]
         summary["distributed"] = {"world_size": ranks.world, "backend": ranks.backend,
@@ -913,12 +951,13 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
 
 
 def scheme_overrides(plans: list[LayerPlan], scheme: Scheme) -> dict[str, list[str]]:
-    """Scheme name -> checkpoint names of the linears that use it instead of the run's scheme (fallbacks)."""
+    """Scheme label -> checkpoint names of the linears that use it instead of the run's scheme (fallbacks, or a
+    mixed plan's other choices)."""
     overrides: dict[str, list[str]] = {}
     for p in plans:
         for t in p.targets:
-            if t.scheme.name != scheme.name:
-                overrides.setdefault(t.scheme.name, []).append(t.checkpoint)
+            if t.scheme.label != scheme.label:
+                overrides.setdefault(t.scheme.label, []).append(t.checkpoint)
     return overrides
 
 

@@ -218,12 +218,12 @@ def plan_run(opts: PlanOptions) -> dict:
     device = _resolve_device(opts.device)  # first, as quantize does: --device cuda without a GPU is refused
     q = recipe.quantization
     scheme = get_scheme(q.scheme, q.group_size)
-    if streams(build_methods(q.method, scheme, q.options), scheme, q.kv_cache):
+    if not q.mixed and streams(build_methods(q.method, scheme, q.options), scheme, q.kv_cache):
         return _plan_stream(opts, scheme, t0)
     if output.exists() and not opts.overwrite:
         raise InputError(f"output {output} already exists; pass --overwrite to replace it")
     hwm_setup = HighWaterMark()
-    setup = prepare_run(recipe, opts.tp)
+    setup = prepare_run(recipe, opts.tp, device)
     from quantkit.compute import choose_compute_dtype, matmul_shapes
 
     compute = choose_compute_dtype(opts.compute_dtype, setup.weight_dtype, device, matmul_shapes(setup.handle.config))

@@ -25,6 +25,15 @@ class Scheme:
     def static_activations(self) -> bool:
         return self.input_activations is not None and not self.input_activations.dynamic
 
+    @property
+    def label(self) -> str:
+        """The name plus the weight grouping where a scheme lets the user choose it (`W4A16:g64`, `W8A16:ch`):
+        one spelling per distinct on-disk layout, read back by `parse_choice`."""
+        w = self.weights
+        if self.format != "pack-quantized" or w.strategy not in ("group", "channel"):
+            return self.name
+        return f"{self.name}:g{w.group_size}" if w.strategy == "group" else f"{self.name}:ch"
+
 
 def _weights(bits: int, symmetric: bool = True, strategy: str = "group", kind: str = "int") -> QuantArgs:
     return QuantArgs(num_bits=bits, symmetric=symmetric, strategy=strategy, group_size=128, type=kind,
@@ -91,3 +100,33 @@ def block_fallback(scheme: Scheme, in_features: int) -> Scheme | None:
     if scheme.weights.strategy != "block" or in_features % scheme.weights.block[1] == 0:
         return None
     return get_scheme("FP8_DYNAMIC")
+
+
+def parse_choice(text: str, group_size: int | None = 128) -> Scheme:
+    """A scheme spelt as `Scheme.label` writes it: `W4A16:g64`, `W8A16:ch` (per output channel), or a bare name
+    (the integer weight-only schemes then take `group_size`)."""
+    name, _, grouping = text.strip().partition(":")
+    if not grouping:
+        return get_scheme(name, group_size)
+    g = grouping.lower()
+    if g in ("ch", "channel", "g-1"):
+        size = -1
+    elif g.startswith("g") and g[1:].isdigit():
+        size = int(g[1:])
+    else:
+        raise InputError(f"cannot read {text!r}: write a scheme as NAME, NAME:gSIZE or NAME:ch (e.g. W4A16:g64)")
+    scheme = get_scheme(name, size)
+    if scheme.label != scheme.name or size == 128:
+        return scheme
+    raise InputError(f"{text!r}: {scheme.name} has a fixed layout, it takes no group size")
+
+
+def fits(scheme: Scheme, in_features: int) -> bool:
+    """Whether a linear with `in_features` inputs can take `scheme` as consumers load it: whole weight groups,
+    whole FP8 blocks along K (dynamic 1x128 activation groups must divide K)."""
+    w = scheme.weights
+    if w.strategy in ("group", "tensor_group"):
+        return in_features % w.group_size == 0
+    if w.strategy == "block":
+        return in_features % w.block[1] == 0
+    return True

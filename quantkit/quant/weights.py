@@ -56,3 +56,12 @@ def dequantize_any(
             full = expand_block_scale(full, tuple(q.shape), args.block)
         return dequantize_fp8(q, full).to(dtype)
     return dequantize_weight_args(q, scale.float(), zero_point, args, g_idx, dtype)
+
+
+def round_trip(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype,
+               global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight a consumer computes from its round-to-nearest quantisation, scales and product rounded to
+    `scale_dtype` as the checkpoint stores them (fp32 result)."""
+    q, scale, zp, gs = quantize_any(weight, args, scale_dtype, global_scale)
+    deq = dequantize_any(q, scale.to(scale_dtype).float(), zp, args, global_scale=gs)
+    return deq.to(scale_dtype).float()

@@ -1,0 +1,151 @@
+"""Mixed precision at the size of uniform W4A16 g64: held-out KL of each, by RTN and by GPTQ; and whether the
+sensitivity estimate ranks linears as their measured KL does.
+
+    .venv/bin/python benchmarks/bench_mixed.py [--choices W4A16:ch,W4A16:g128,W4A16:g64,W4A16:g32,W8A16:ch]
+
+1. quantkit quantizes uniform W4A16 g64 (RTN, GPTQ); the mixed runs take its measured bits per weight (the
+   manifest's, scales included) as --target-bits, so both checkpoints are the same size or the mixed one smaller.
+2. Every checkpoint is scored by benchmarks/kl_plain.py (transformers + compressed-tensors) on held-out KJV and
+   on pydoc (another domain than the KJV calibration).
+3. Rank check: for a spread of linears, the KL measured by running transformers with that one linear quantised
+   (RTN, W4A16 g64) on the sensitivity pass's own tokens, against the pass's estimate (precision_plan.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from common import HELDOUT_KJV, HELDOUT_PYDOC, ROOT, heldout_sets, kl_plain, prepare_run, ratio, run_measured, write_results
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    ra = torch.tensor(a).argsort().argsort().float()
+    rb = torch.tensor(b).argsort().argsort().float()
+    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+
+
+def rank_check(model: Path, plan: dict, tok, n_samples: int, seq_len: int, seed: int, per_layer_roles: int) -> dict:
+    """Measured single-linear KL (RTN W4A16 g64) vs the plan's estimate for the same choice."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.data.calibration import build_token_blocks
+    from quantkit.quant.schemes import parse_choice
+    from quantkit.quant.weights import round_trip
+
+    ids = build_token_blocks(tok, "kjv", n_samples, seq_len, seed=seed).input_ids[: plan["sensitivity"]["samples"]]
+    scheme = parse_choice("W4A16:g64")
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        base = torch.log_softmax(m(ids).logits, -1)
+    linears = [e for e in plan["linears"] if "W4A16:g64" in e["kl"]]
+    n_layers = 1 + max(int(e["module"].split(".layers.")[1].split(".")[0]) for e in linears)
+    picked_layers = sorted({0, n_layers // 3, n_layers // 2, (2 * n_layers) // 3, n_layers - 1})
+    chosen = [e for e in linears if int(e["module"].split(".layers.")[1].split(".")[0]) in picked_layers]
+    rows = []
+    for e in chosen:
+        mod = m.get_submodule(e["module"])
+        w = mod.weight.data.clone()
+        mod.weight.data = round_trip(w, scheme.weights, torch.bfloat16)
+        with torch.no_grad():
+            lp = torch.log_softmax(m(ids).logits, -1)
+        mod.weight.data = w
+        measured = float((base.exp() * (base - lp)).sum(-1).mean())
+        rows.append({"module": e["module"], "measured": measured, "estimated": e["kl"]["W4A16:g64"]})
+        print(f"  {e['module']}: measured {measured:.3g} estimated {e['kl']['W4A16:g64']:.3g}", flush=True)
+    est, meas = [r["estimated"] for r in rows], [r["measured"] for r in rows]
+    ratios = sorted(a / b for a, b in zip(est, meas) if b > 0)
+    return {"rows": rows, "spearman": _spearman(est, meas), "median_ratio": ratios[len(ratios) // 2],
+            "layers": picked_layers, "tokens": int(ids.numel())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--choices", default="W4A16:ch,W4A16:g128,W4A16:g64,W4A16:g32,W8A16:ch")
+    ap.add_argument("--methods", default="rtn,gptq")
+    ap.add_argument("--calib-samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--heldout-samples", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--skip-rank-check", action="store_true")
+    ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "mixed")
+    args = ap.parse_args()
+
+    load = {"before": os.getloadavg()[0]}
+    model, tok = prepare_run(args.model, args.work)
+    eval_files = heldout_sets(tok, args.work, args.heldout_samples, args.seq_len)
+    quantkit = str(ROOT / ".venv" / "bin" / "quantkit")
+    calib = ["--dataset", "kjv", "--num-samples", str(args.calib_samples), "--seq-len", str(args.seq_len),
+             "--seed", str(args.seed)]
+    runs: dict[str, dict] = {}
+    for method in args.methods.split(","):
+        name = f"uniform W4A16 g64 {method}"
+        out = args.work / name.replace(" ", "_")
+        res = run_measured([quantkit, "quantize", "--model", str(model), "--method", method, "--scheme", "W4A16",
+                            "--group-size", "64", *calib, "--output", str(out), "--json"])
+        summary = json.loads(res["stdout"])
+        runs[name] = {"wall_s": res["wall_s"], "bits": summary["bits_per_weight"], "path": out, "method": method}
+        print(f"{name}: {res['wall_s']:.1f} s, {summary['bits_per_weight']} bits", flush=True)
+        target = summary["bits_per_weight"]
+        name = f"mixed {method}"
+        out = args.work / name.replace(" ", "_")
+        res = run_measured([quantkit, "quantize", "--model", str(model), "--method", method, "--schemes",
+                            args.choices, "--target-bits", str(target), *calib, "--output", str(out), "--json"])
+        summary = json.loads(res["stdout"])
+        runs[name] = {"wall_s": res["wall_s"], "bits": summary["bits_per_weight"], "path": out, "method": method,
+                      "precision": summary["precision"]}
+        print(f"{name}: {res['wall_s']:.1f} s, {summary['bits_per_weight']} bits, "
+              f"{summary['precision']['schemes']}", flush=True)
+    for name, r in runs.items():
+        r["kl"] = {k: kl_plain(model, r["path"], f) for k, f in eval_files.items()}
+        print(name, {k: round(v["kl_mean"], 4) for k, v in r["kl"].items()}, flush=True)
+    check = None
+    if not args.skip_rank_check:
+        mixed = next(r for n, r in runs.items() if n.startswith("mixed"))
+        plan = json.loads((mixed["path"] / "precision_plan.json").read_text())
+        began = time.time()
+        check = rank_check(model, plan, tok, args.calib_samples, args.seq_len, args.seed, 7)
+        check["seconds"] = round(time.time() - began, 1)
+    load["after"] = os.getloadavg()[0]
+
+    md = ["# Mixed precision at the size of uniform W4A16 g64", "",
+          f"model `{model.name}`; choices `{args.choices}`; calibration KJV {args.calib_samples} x {args.seq_len} "
+          f"tokens (the sensitivity pass reads the first 8); held-out {args.heldout_samples} x {args.seq_len} tokens "
+          "per domain, scored by benchmarks/kl_plain.py (transformers + compressed-tensors); torch CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, load average before "
+          f"{load['before']:.2f}, after {load['after']:.2f}", "",
+          f"| run | wall s | bits/weight | KL {HELDOUT_KJV} | KL {HELDOUT_PYDOC} | perplexity {HELDOUT_KJV} | "
+          f"top-1 {HELDOUT_KJV} |", "|---|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        kj, py = r["kl"][HELDOUT_KJV], r["kl"][HELDOUT_PYDOC]
+        md.append(f"| {name} | {r['wall_s']:.1f} | {r['bits']} | {kj['kl_mean']:.4f} | {py['kl_mean']:.4f} | "
+                  f"{kj['ppl']:.3f} | {kj['top1_agree']:.4f} |")
+    md.append("")
+    for method in args.methods.split(","):
+        u, m = runs[f"uniform W4A16 g64 {method}"], runs[f"mixed {method}"]
+        p = m["precision"]
+        md.append(f"- {method}: mixed / uniform KL {HELDOUT_KJV} {ratio(m['kl'][HELDOUT_KJV]['kl_mean'], u['kl'][HELDOUT_KJV]['kl_mean'])}, "
+                  f"{HELDOUT_PYDOC} {ratio(m['kl'][HELDOUT_PYDOC]['kl_mean'], u['kl'][HELDOUT_PYDOC]['kl_mean'])}; "
+                  f"bits {m['bits']} vs {u['bits']}; wall {ratio(m['wall_s'], u['wall_s'])} (sensitivity pass "
+                  f"{p['sensitivity']['seconds']} s); plan: " + ", ".join(
+                      f"{label} {v['linears']} linears ({100 * v['weights'] / sum(x['weights'] for x in p['schemes'].values()):.1f}% of weights)"
+                      for label, v in sorted(p["schemes"].items())))
+    if check:
+        md += ["", f"Rank check: {len(check['rows'])} linears of layers {check['layers']}, W4A16 g64 RTN, measured on "
+               f"the sensitivity pass's {check['tokens']} tokens: Spearman {check['spearman']:.3f}, median "
+               f"estimate / measured {check['median_ratio']:.3f} ({check['seconds']} s)."]
+    payload = {"load_average": load, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+               "choices": args.choices, "rank_check": check,
+               "runs": {k: {**{kk: vv for kk, vv in v.items() if kk != "path"}, "path": str(v["path"])}
+                        for k, v in runs.items()}}
+    write_results("mixed", payload, "\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Mixed precision: which of the allowed schemes each linear takes, under a size budget (`--target-bits`) or an
+accuracy budget (`--max-kl`).
+
+Each linear's choices are priced exactly (the bits its tensors take on disk, from the same specs the writer
+uses) and weighed by the KL each adds to the model's output (`pipeline.sensitivity`); `quant.allocation` picks
+one per linear. A choice a linear cannot take (its groups do not divide K) is dropped for that linear only and the
+plan lists it. The plan is written next to the checkpoint as `precision_plan.json`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from quantkit.errors import InputError
+from quantkit.formats.compressed_tensors import quantized_specs
+from quantkit.quant.allocation import allocate
+from quantkit.quant.schemes import Scheme, fits, parse_choice
+from quantkit.recipe import MixedSpec
+
+PLAN_FILE = "precision_plan.json"
+
+
+def parse_choices(spec: MixedSpec, group_size: int | None) -> list[Scheme]:
+    choices, seen = [], set()
+    for text in spec.schemes:
+        scheme = parse_choice(text, group_size)
+        if scheme.label not in seen:
+            seen.add(scheme.label)
+            choices.append(scheme)
+    return choices
+
+
+def _bits(t, scheme: Scheme, weight_dtype: torch.dtype) -> int:
+    return sum(s.nbytes * 8 for s in quantized_specs(t.checkpoint, t.out_features, t.in_features, scheme, weight_dtype))
+
+
+def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], input_ids: torch.Tensor,
+                   weight_dtype: torch.dtype, device: str = "cpu", on_layer=None) -> dict:
+    """Set each target's scheme (LayerPlan.targets[*].scheme) and return the plan (see the module docstring)."""
+    from quantkit.pipeline.sensitivity import SensitivityOptions, linear_sensitivity
+
+    targets = [t for p in plans for t in p.targets]
+    per_linear: dict[str, list[Scheme]] = {}
+    dropped = []
+    for t in targets:
+        ok = [s for s in choices if fits(s, t.in_features)]
+        if not ok:
+            raise InputError(f"{t.checkpoint} has {t.in_features} input features and none of --schemes "
+                             f"({', '.join(s.label for s in choices)}) fits it; add one that does (e.g. "
+                             f"{choices[0].name}:ch) or --ignore {t.checkpoint}")
+        if len(ok) < len(choices):
+            dropped.append({"module": t.checkpoint, "in_features": t.in_features,
+                            "dropped": [s.label for s in choices if s not in ok]})
+        per_linear[t.checkpoint] = ok
+    costs = [[_bits(t, s, weight_dtype) for s in per_linear[t.checkpoint]] for t in targets]
+    weights = sum(t.out_features * t.in_features for t in targets)
+    began = time.perf_counter()
+    options = SensitivityOptions(samples=min(spec.samples, input_ids.shape[0]), draws=spec.draws)
+    kl = linear_sensitivity(handle, plans, per_linear, input_ids, weight_dtype, device, options, on_layer=on_layer)
+    seconds = time.perf_counter() - began
+    errors = [kl[t.checkpoint] for t in targets]
+    try:
+        if spec.target_bits is not None:
+            result = allocate(costs, errors, budget=spec.target_bits * weights)
+        else:
+            result = allocate(costs, errors, max_error=spec.max_kl)
+    except ValueError:
+        if spec.target_bits is not None:
+            floor = sum(min(c) for c in costs) / weights
+            raise InputError(f"--target-bits {spec.target_bits:g} is below the cheapest plan these --schemes allow "
+                             f"({floor:.4f} bits per weight, scales included)") from None
+        best = sum(min(e) for e in errors)
+        raise InputError(f"--max-kl {spec.max_kl:g} is below what these --schemes can reach (estimated KL "
+                         f"{best:.4g} with every linear at its most accurate choice)") from None
+    linears, counts = [], {}
+    for t, c, e, j in zip(targets, costs, errors, result.picks):
+        t.scheme = per_linear[t.checkpoint][j]
+        label = t.scheme.label
+        entry = counts.setdefault(label, {"linears": 0, "weights": 0})
+        entry["linears"] += 1
+        entry["weights"] += t.out_features * t.in_features
+        linears.append({"module": t.checkpoint, "scheme": label, "bits_per_weight": round(c[j] / (t.out_features * t.in_features), 4),
+                        "kl": {s.label: float(f"{v:.6g}") for s, v in zip(per_linear[t.checkpoint], e)}})
+    return {
+        "choices": [s.label for s in choices],
+        "target_bits": spec.target_bits,
+        "max_kl": spec.max_kl,
+        "bits_per_weight": round(result.cost / weights, 4),
+        "estimated_kl": float(f"{result.error:.6g}"),
+        "schemes": counts,
+        "dropped": dropped,
+        "sensitivity": {"samples": options.samples, "draws": options.draws, "seconds": round(seconds, 2),
+                        "estimate": "fisher"},
+        "linears": linears,
+    }
+
+
+def base_scheme(plans: list) -> Scheme:
+    """The scheme most linears took (by weights): config.json's catch-all group; the others are listed by name."""
+    by: dict[str, list] = {}
+    for p in plans:
+        for t in p.targets:
+            entry = by.setdefault(t.scheme.label, [t.scheme, 0])
+            entry[1] += t.out_features * t.in_features
+    return max(by.values(), key=lambda e: e[1])[0]

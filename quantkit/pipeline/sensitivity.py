@@ -1,0 +1,156 @@
+"""How much KL each quantisation choice of each linear adds to the model's output, one decoder layer in memory
+at a time.
+
+For a small change of the weights the KL between the model's next-token distributions and the changed model's is
+a quadratic form in the Fisher information: KL ~ 1/2 E_y[(d log p(y) / dW . dW)^2], with y drawn from the model's
+own distribution. The score of a whole sequence with y drawn independently at every position is a sum of
+zero-mean terms, so the square of the sequence's score is an unbiased estimate of the sum over its positions.
+The score never needs a weight gradient: for a linear computing Y from X, d log p / dW . dW equals the sum over
+tokens of dlogp/dY . dY, where dY is what the linear computes quantised (weights, and activations where the scheme
+quantises them) minus what it computes. So each choice costs one extra matmul per calibration batch.
+
+The pass streams: a forward stores every layer's input (one generation of hidden states per layer), the output
+head gives each draw's gradient at the top, then the layers are materialised again from the last to the first,
+each run once forward with its inputs requiring grad and once backward per draw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.models.loader import ModelHandle
+from quantkit.pipeline.capture import capture_layer_inputs, run_layer
+from quantkit.pipeline.reference import _output_head
+from quantkit.quant.activations import quantize_activation
+from quantkit.quant.args import QuantArgs
+from quantkit.quant.fp4 import nvfp4_global_scale
+from quantkit.quant.fp8 import scale_from_absmax
+from quantkit.quant.schemes import Scheme
+from quantkit.quant.weights import round_trip
+
+
+@dataclass(frozen=True)
+class SensitivityOptions:
+    samples: int = 8  # calibration sequences (the first ones of the run's set)
+    draws: int = 4  # next-token draws per sequence: the estimate's relative noise is about sqrt(2 / (samples*draws))
+    batch_size: int = 1
+    seed: int = 0
+
+
+def _fake_inputs(x: torch.Tensor, acts: QuantArgs | None) -> torch.Tensor:
+    """The linear's input as the scheme's consumer sees it. A static scale is taken from this batch's absmax
+    (the run calibrates it on the whole set; for an estimate the batch's is close enough)."""
+    if acts is None:
+        return x
+    if acts.fp4_global:
+        return quantize_activation(x, acts, input_global_scale=nvfp4_global_scale(x.abs().amax()))
+    if acts.dynamic or acts.is_fp4:
+        return quantize_activation(x, acts)
+    return quantize_activation(x, acts, scale_from_absmax(x.abs().amax().reshape(1), acts.half_range))
+
+
+def _top_gradients(handle: ModelHandle, hidden: list[torch.Tensor], options: SensitivityOptions,
+                   device: str) -> list[torch.Tensor]:
+    """Per batch, [draws, *h.shape]: the gradient of the sampled tokens' log-likelihood at the last hidden state."""
+    norm_path = handle.adapter.layers_path.rpartition(".")[0] + ".norm"
+    head_path = _output_head(handle)
+    norm = handle.materialize_module(norm_path, torch.float32, device)
+    head = handle.materialize_module(head_path, torch.float32, device)
+    cap = getattr(handle.config, "final_logit_softcapping", None)
+    gen = torch.Generator(device=device).manual_seed(options.seed)
+    grads = []
+    try:
+        for h in hidden:
+            h = h.detach().requires_grad_(True)
+            with torch.enable_grad():
+                logits = head(norm(h)).float()
+                if cap:
+                    logits = torch.tanh(logits / cap) * cap
+                logp = torch.log_softmax(logits, dim=-1)
+                probs = logp.detach().exp().reshape(-1, logp.shape[-1])
+                per_draw = []
+                for d in range(options.draws):
+                    y = torch.multinomial(probs, 1, generator=gen).reshape(logp.shape[:-1] + (1,))
+                    (g,) = torch.autograd.grad(logp.gather(-1, y).sum(), h, retain_graph=d < options.draws - 1)
+                    per_draw.append(g)
+            grads.append(torch.stack(per_draw))
+            del logits, logp, probs
+    finally:
+        handle.release_module(norm_path)
+        handle.release_module(head_path)
+    return grads
+
+
+def linear_sensitivity(handle: ModelHandle, plans: list, choices: dict[str, list[Scheme]], input_ids: torch.Tensor,
+                       weight_dtype: torch.dtype, device: str = "cpu",
+                       options: SensitivityOptions = SensitivityOptions(), on_layer=None) -> dict[str, list[float]]:
+    """Estimated KL (nats per token) each choice of each linear adds on its own, keyed by checkpoint name in the
+    order of `choices[name]`. `plans`: the run's LayerPlans (their targets are the linears measured);
+    `on_layer()` is called once per layer of the backward sweep (progress)."""
+    ids = input_ids[: options.samples]
+    tokens = ids.numel()
+    hidden, calls = capture_layer_inputs(handle, ids, options.batch_size, device, torch.float32)
+    inputs = [hidden]
+    with torch.no_grad():
+        for i in range(handle.num_layers):
+            layer = handle.materialize_layer(i, torch.float32, device)
+            inputs.append([run_layer(layer, h, calls[b][i]) for b, h in enumerate(inputs[-1])])
+            del layer
+    grads = _top_gradients(handle, inputs.pop(), options, device)
+    sums: dict[str, list[float]] = {}
+    for plan in reversed(plans):
+        i = plan.index
+        layer = handle.materialize_layer(i, torch.float32, device)
+        modules = dict(layer.named_modules())
+        wanted = {t.local: t.checkpoint for t in plan.targets if choices.get(t.checkpoint)}
+        stored = {local: [round_trip(modules[local].weight.data, s.weights, weight_dtype)
+                          for s in choices[ckpt]] for local, ckpt in wanted.items()}
+        for local, ckpt in wanted.items():
+            sums.setdefault(ckpt, [0.0] * len(choices[ckpt]))
+        below = []
+        for b, h in enumerate(inputs.pop()):
+            seen: dict[str, list] = {}
+
+            def hook(local):
+                def fn(module, args, out):
+                    dys: list = []
+                    seen.setdefault(local, []).append((args[0].detach(), out.detach(), dys))
+                    out.register_hook(lambda g: dys.append(g.detach()))
+                return fn
+
+            handles = [modules[local].register_forward_hook(hook(local)) for local in wanted]
+            h = h.detach().requires_grad_(True)
+            try:
+                with torch.enable_grad():
+                    out = run_layer(layer, h, calls[b][i])
+                    per_draw = []
+                    for d in range(options.draws):
+                        (g,) = torch.autograd.grad(out, h, grad_outputs=grads[b][d], retain_graph=d < options.draws - 1,
+                                                   allow_unused=True)
+                        per_draw.append(torch.zeros_like(h) if g is None else g)
+            finally:
+                for hd in handles:
+                    hd.remove()
+            below.append(torch.stack(per_draw))
+            del out
+            with torch.no_grad():
+                for local, seen_calls in seen.items():
+                    ckpt, module = wanted[local], modules[local]
+                    for x, y, dys in seen_calls:
+                        if not dys:  # the call did not reach the output (no gradient flowed)
+                            continue
+                        dy = torch.stack(dys)
+                        for j, scheme in enumerate(choices[ckpt]):
+                            delta = F.linear(_fake_inputs(x, scheme.input_activations), stored[local][j],
+                                             module.bias) - y
+                            scores = (dy * delta).flatten(1).sum(1, dtype=torch.float64)
+                            sums[ckpt][j] += float((scores ** 2).sum())
+        grads = below
+        del layer, stored, modules
+        if on_layer is not None:
+            on_layer()
+    scale = 0.5 / (tokens * options.draws)
+    return {ckpt: [v * scale for v in vals] for ckpt, vals in sums.items()}
