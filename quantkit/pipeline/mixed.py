@@ -3,12 +3,13 @@ accuracy budget (`--max-kl`).
 
 Each linear's choices are priced exactly (the bits its tensors take on disk, from the same specs the writer
 uses) and weighed by the KL each adds to the model's output (`pipeline.sensitivity`); `quant.allocation` picks
-one per linear. A choice a linear cannot take (its groups do not divide K) is dropped for that linear only and the
-plan lists it. The plan is written next to the checkpoint as `precision_plan.json`.
+one per linear, tying the linears an engine serves as one (`tie_key`). A choice a linear cannot take (its groups
+do not divide K) is dropped for it and the linears tied to it, and the plan lists it. The plan is written next to the checkpoint as `precision_plan.json`.
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -36,31 +37,50 @@ def _bits(t, scheme: Scheme, weight_dtype: torch.dtype) -> int:
     return sum(s.nbytes * 8 for s in quantized_specs(t.checkpoint, t.out_features, t.in_features, scheme, weight_dtype))
 
 
+def tie_key(module: str) -> str:
+    """Linears that must share a scheme because a serving engine runs them as one: q/k/v and gate/up (vLLM
+    fuses them and refuses shards of different schemes), and every expert of one MoE block (one fused-MoE kernel
+    per block)."""
+    from quantkit.serving.parallel import merge_key
+
+    expert = re.match(r"(.*\.experts)\.\d+\.", module)
+    if expert:
+        return expert.group(1)
+    merged = merge_key(module)
+    return merged[0] if merged else module
+
+
 def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], input_ids: torch.Tensor,
                    weight_dtype: torch.dtype, device: str = "cpu", on_layer=None) -> dict:
     """Set each target's scheme (LayerPlan.targets[*].scheme) and return the plan (see the module docstring)."""
     from quantkit.pipeline.sensitivity import SensitivityOptions, linear_sensitivity
 
     targets = [t for p in plans for t in p.targets]
-    per_linear: dict[str, list[Scheme]] = {}
-    dropped = []
+    tied: dict[str, list] = {}
     for t in targets:
-        ok = [s for s in choices if fits(s, t.in_features)]
+        tied.setdefault(tie_key(t.checkpoint), []).append(t)
+    item_choices: dict[str, list[Scheme]] = {}
+    dropped = []
+    for key, members in tied.items():
+        ok = [s for s in choices if all(fits(s, t.in_features) for t in members)]
         if not ok:
+            t = next((t for t in members if not any(fits(s, t.in_features) for s in choices)), members[0])
             raise InputError(f"{t.checkpoint} has {t.in_features} input features and none of --schemes "
-                             f"({', '.join(s.label for s in choices)}) fits it; add one that does (e.g. "
-                             f"{choices[0].name}:ch) or --ignore {t.checkpoint}")
+                             f"({', '.join(s.label for s in choices)}) fits it and the linears served with it; "
+                             f"add one that does (e.g. {choices[0].name}:ch) or --ignore {t.checkpoint}")
         if len(ok) < len(choices):
-            dropped.append({"module": t.checkpoint, "in_features": t.in_features,
-                            "dropped": [s.label for s in choices if s not in ok]})
-        per_linear[t.checkpoint] = ok
-    costs = [[_bits(t, s, weight_dtype) for s in per_linear[t.checkpoint]] for t in targets]
+            dropped.append({"modules": [t.checkpoint for t in members], "dropped": [s.label for s in choices if s not in ok]})
+        item_choices[key] = ok
+    per_linear = {t.checkpoint: item_choices[key] for key, members in tied.items() for t in members}
+    costs = [[sum(_bits(t, s, weight_dtype) for t in members) for s in item_choices[key]]
+             for key, members in tied.items()]
     weights = sum(t.out_features * t.in_features for t in targets)
     began = time.perf_counter()
     options = SensitivityOptions(samples=min(spec.samples, input_ids.shape[0]), draws=spec.draws)
     kl = linear_sensitivity(handle, plans, per_linear, input_ids, weight_dtype, device, options, on_layer=on_layer)
     seconds = time.perf_counter() - began
-    errors = [kl[t.checkpoint] for t in targets]
+    errors = [[sum(kl[t.checkpoint][j] for t in members) for j in range(len(item_choices[key]))]
+              for key, members in tied.items()]
     try:
         if spec.target_bits is not None:
             result = allocate(costs, errors, budget=spec.target_bits * weights)
@@ -75,14 +95,16 @@ def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], 
         raise InputError(f"--max-kl {spec.max_kl:g} is below what these --schemes can reach (estimated KL "
                          f"{best:.4g} with every linear at its most accurate choice)") from None
     linears, counts = [], {}
-    for t, c, e, j in zip(targets, costs, errors, result.picks):
-        t.scheme = per_linear[t.checkpoint][j]
-        label = t.scheme.label
-        entry = counts.setdefault(label, {"linears": 0, "weights": 0})
-        entry["linears"] += 1
-        entry["weights"] += t.out_features * t.in_features
-        linears.append({"module": t.checkpoint, "scheme": label, "bits_per_weight": round(c[j] / (t.out_features * t.in_features), 4),
-                        "kl": {s.label: float(f"{v:.6g}") for s, v in zip(per_linear[t.checkpoint], e)}})
+    for (key, members), j in zip(tied.items(), result.picks):
+        for t in members:
+            t.scheme = item_choices[key][j]
+            label, n = t.scheme.label, t.out_features * t.in_features
+            entry = counts.setdefault(label, {"linears": 0, "weights": 0})
+            entry["linears"] += 1
+            entry["weights"] += n
+            linears.append({"module": t.checkpoint, "scheme": label, "tied": key,
+                            "bits_per_weight": round(_bits(t, t.scheme, weight_dtype) / n, 4),
+                            "kl": {s.label: float(f"{v:.6g}") for s, v in zip(per_linear[t.checkpoint], kl[t.checkpoint])}})
     return {
         "choices": [s.label for s in choices],
         "target_bits": spec.target_bits,

@@ -71,12 +71,35 @@ def test_size_budget_holds_and_the_checkpoint_runs_as_transformers_runs_it(llama
 def test_a_choice_that_does_not_fit_is_dropped_for_that_linear_only(llama, tmp_path):
     _run(llama, tmp_path / "q", method="rtn", schemes=["W4A16:g64", "W8A16:ch"], target_bits=6.0)
     plan = json.loads((tmp_path / "q" / "precision_plan.json").read_text())
-    dropped = {d["module"] for d in plan["dropped"]}
+    dropped = {m for d in plan["dropped"] for m in d["modules"]}
     assert dropped and all(m.endswith("down_proj") for m in dropped)
     assert all(d["dropped"] == ["W4A16:g64"] for d in plan["dropped"])
     for e in plan["linears"]:
         if e["module"] in dropped:
             assert e["scheme"] == "W8A16:ch" and list(e["kl"]) == ["W8A16:ch"]
+
+
+def _tied_groups_share(plan, _):
+    by: dict[str, set] = {}
+    for e in plan["linears"]:
+        by.setdefault(e["tied"], set()).add(e["scheme"])
+    assert all(len(v) == 1 for v in by.values()), by
+    return by
+
+
+def test_linears_served_as_one_share_a_scheme(llama, tiny_models, tmp_path):
+    # a budget that gives some linears 8 bits: q/k/v and gate/up (fused by vLLM) and a MoE block's experts
+    # (one fused-MoE kernel) must still come out with one scheme each
+    plan = _run(llama, tmp_path / "d", method="rtn", schemes=CHOICES, target_bits=5.5)["precision"]
+    full = json.loads((tmp_path / "d" / "precision_plan.json").read_text())
+    by = _tied_groups_share(full, None)
+    assert any(k.endswith("q_proj+k_proj+v_proj") for k in by) and any(k.endswith("gate_proj+up_proj") for k in by)
+    assert len(plan["schemes"]) > 1
+    _run(tiny_models["qwen3_moe"], tmp_path / "m", method="rtn", schemes=CHOICES, target_bits=5.5)
+    moe = json.loads((tmp_path / "m" / "precision_plan.json").read_text())
+    by = _tied_groups_share(moe, None)
+    experts = [k for k in by if k.endswith(".experts")]
+    assert experts and all(sum(e["tied"] == k for e in moe["linears"]) == 4 * 3 for k in experts)
 
 
 def test_error_budget_gives_the_smaller_plan_for_the_looser_bound(llama, tmp_path):
