@@ -18,7 +18,7 @@ from torch import nn
 
 from quantkit.distributed import SINGLE, Ranks
 from quantkit.errors import InputError, RunError
-from quantkit.quant.weights import dequantize_any
+from quantkit.quant.weights import as_stored
 from quantkit.quant.schemes import Scheme
 
 
@@ -110,15 +110,22 @@ class LayerContext:
         """Record a linear's quantised weight and swap the dequantised values into the module, so the rest
         of the layer (and the next layers) run with what the checkpoint will contain."""
         linear = self.targets[name]
-        args = self.scheme_for(name).weights
-        scale = result.scale.to(self.weight_dtype).float()
-        deq = dequantize_any(result.q, scale, result.zero_point, args, result.g_idx, global_scale=result.global_scale)
-        # A consumer multiplies in the scale's dtype: round the product the same way.
-        linear.weight.data.copy_(deq.to(self.weight_dtype).to(linear.weight.dtype))
+        deq = as_stored(result.q, result.scale, result.zero_point, self.scheme_for(name).weights, self.weight_dtype,
+                        result.g_idx, result.global_scale)
+        linear.weight.data.copy_(deq.to(linear.weight.dtype))
         self.results[name] = result
 
     def pending(self) -> list[str]:
         return [n for n in self.targets if n not in self.results and (self.active is None or n in self.active)]
+
+
+@dataclass
+class PreviewStats:
+    """Statistics of a linear's input on a few calibration samples (the mixed-precision sensitivity pass)."""
+
+    tokens: int
+    mean_square: torch.Tensor | None = None  # [in] mean x^2 per input column
+    hessian: torch.Tensor | None = None  # [in, in] 2 / tokens * X^T X (GPTQ's H)
 
 
 def check_known_options(method: str, options: dict, known) -> None:
@@ -149,6 +156,16 @@ class Method:
 
     def attach(self, ctx: LayerContext) -> list[torch.utils.hooks.RemovableHandle]:
         return []
+
+    # What `preview` needs of the linear's input: None, "importance" (PreviewStats.mean_square) or "hessian".
+    preview_stats: ClassVar[str | None] = None
+
+    def preview(self, weight: torch.Tensor, args, stats: PreviewStats | None, weight_dtype: torch.dtype) -> torch.Tensor:
+        """The fp32 weight this method would store for `weight` under `args` (a QuantArgs), as the checkpoint
+        rounds it: what mixed precision weighs each choice by. The default rounds to nearest."""
+        from quantkit.quant.weights import round_trip
+
+        return round_trip(weight, args, weight_dtype)
 
     def reduce_statistics(self, ranks: Ranks) -> None:
         """Data-parallel calibration: combine this rank's statistics with every other rank's (`ranks.reduce`),

@@ -482,6 +482,32 @@ class GPTQ(Method):
 
         return [m.register_forward_pre_hook(hook(n)) for n, m in ctx.targets.items()]
 
+    preview_stats = "hessian"
+
+    def preview(self, weight: torch.Tensor, args, stats, weight_dtype: torch.dtype) -> torch.Tensor:
+        """The solve of `weight` alone under `args` with the given H (RTN where H is missing or singular)."""
+        if stats is None or stats.hessian is None or stats.tokens < self.config.min_tokens:
+            return super().preview(weight, args, stats, weight_dtype)
+        cfg = self.config
+        actorder = "static" if cfg.actorder == "group" else cfg.actorder
+        h = stats.hessian.float()
+        perm = column_order(h, actorder)
+        hd, _ = dampen(h[perm[:, None], perm], cfg.dampening)
+        u, ok = inverse_cholesky(hd[None], overwrite=True)
+        if not bool(ok[0]):
+            return super().preview(weight, args, stats, weight_dtype)
+        w = torch.nan_to_num(weight.float(), nan=0.0, posinf=0.0, neginf=0.0)
+        from quantkit.quant.fp4 import fp4_global_scale
+
+        gs = fp4_global_scale(w, args)
+        row_global = None if gs is None else gs.to(w.device).expand(1, w.shape[0])
+        r = gptq_solve(w[None], u, perm[None], column_groups(len(perm), args, perm, actorder)[None], args,
+                       scale_dtype=weight_dtype, scales=cfg.scales, block_size=cfg.block_size, mse=cfg.mse,
+                       mse_grid=cfg.mse_grid, mse_max_shrink=cfg.mse_max_shrink, mse_weighting=cfg.mse_weighting,
+                       row_global=row_global)
+        zp = None if args.symmetric else r.zero_point[0].round().to(torch.int8)
+        return stored_weight(r.q[0], r.scale[0], zp, args, None, weight_dtype, gs)
+
     def reduce_statistics(self, ranks) -> None:
         self._sums = ranks.reduce(self._sums, "sum")
         names = sorted(set(self._tokens) | set(self._bad_batches))

@@ -19,15 +19,21 @@ from __future__ import annotations
 import torch
 
 from quantkit.errors import InputError
-from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
+from contextlib import nullcontext
+
+from quantkit.methods.base import LayerContext, Method, PreviewStats, QuantizedWeight, SharedInputs, check_known_options
 from quantkit.quant.fp4 import fp4_global_scale, quantize_fp4, search_fp4_scales
 from quantkit.quant.integer import mse_weight_qparams, quantize_weight
-from quantkit.quant.weights import quantize_any
+from quantkit.quant.weights import as_stored, quantize_any
 
 SCALE_SEARCH = ("minmax", "mse", "activation")
 # A column whose input is (almost) always zero on the calibration text still keeps this share of the mean
 # importance, so text the calibration set lacks does not meet weights chosen with no regard to their error.
 IMPORTANCE_FLOOR = 0.01
+
+
+def _floored(mean_sq: torch.Tensor) -> torch.Tensor:
+    return mean_sq + IMPORTANCE_FLOOR * mean_sq.mean()
 
 
 class RTN(Method):
@@ -87,30 +93,46 @@ class RTN(Method):
         name = self._shared.leader(name)
         if name not in self._square_sums:
             return None
-        mean_sq = (self._square_sums[name] / max(1, self._tokens[name])).float()
-        return mean_sq + IMPORTANCE_FLOOR * mean_sq.mean()
+        return _floored((self._square_sums[name] / max(1, self._tokens[name])).float())
+
+    def _searches(self, args) -> bool:
+        return self.scale_search != "minmax" and (args.type == "int" or args.is_fp4)
+
+    def _quantize(self, weight: torch.Tensor, args, weight_dtype: torch.dtype, importance: torch.Tensor | None,
+                  shared_global: torch.Tensor | None, searching=nullcontext) -> QuantizedWeight:
+        search = self._searches(args)
+        if search and args.type == "int":
+            with searching():
+                scale, zp = mse_weight_qparams(weight, args, weight_dtype, importance=importance)
+            q, scale, zp = quantize_weight(weight, args, scale, zp, scale_dtype=weight_dtype)
+            return QuantizedWeight(q, scale.float(), None if args.symmetric else zp, method=self.name)
+        if search:  # fp4
+            global_scale = fp4_global_scale(weight, args, shared_global)
+            with searching():
+                scale = search_fp4_scales(weight, args, global_scale, importance)
+            q = quantize_fp4(weight.float(), scale, args.group_size, global_scale)
+            return QuantizedWeight(q, scale, None, global_scale=global_scale, method=self.name)
+        q, scale, zp, global_scale = quantize_any(weight, args, weight_dtype, shared_global)
+        return QuantizedWeight(q, scale, zp, global_scale=global_scale, method=self.name)
+
+    preview_stats = "importance"
+
+    def preview(self, weight: torch.Tensor, args, stats: PreviewStats | None, weight_dtype: torch.dtype) -> torch.Tensor:
+        importance = None
+        if self.scale_search == "activation" and stats is not None and stats.mean_square is not None:
+            importance = _floored(stats.mean_square.float())
+        r = self._quantize(weight, args, weight_dtype, importance, None)
+        return as_stored(r.q, r.scale, r.zero_point, args, weight_dtype, global_scale=r.global_scale)
 
     def apply(self, ctx: LayerContext) -> None:
         for name in ctx.pending():
             weight, args = ctx.targets[name].weight.data, ctx.scheme_for(name).weights
-            search = self.scale_search != "minmax" and (args.type == "int" or args.is_fp4)
+            search = self._searches(args)
             importance = self.importance(name) if search and self.scale_search == "activation" else None
             if search and self.scale_search == "activation" and importance is None:
                 ctx.warn(name, "no calibration inputs reached this linear; rtn used the unweighted mse search")
-            if search and args.type == "int":
-                with ctx.phase("scale_search"):
-                    scale, zp = mse_weight_qparams(weight, args, ctx.weight_dtype, importance=importance)
-                q, scale, zp = quantize_weight(weight, args, scale, zp, scale_dtype=ctx.weight_dtype)
-                result = QuantizedWeight(q, scale.float(), None if args.symmetric else zp, method=self.name)
-            elif search:  # fp4
-                global_scale = fp4_global_scale(weight, args, ctx.global_scale(name))
-                with ctx.phase("scale_search"):
-                    scale = search_fp4_scales(weight, args, global_scale, importance)
-                q = quantize_fp4(weight.float(), scale, args.group_size, global_scale)
-                result = QuantizedWeight(q, scale, None, global_scale=global_scale, method=self.name)
-            else:
-                q, scale, zp, global_scale = quantize_any(weight, args, ctx.weight_dtype, ctx.global_scale(name))
-                result = QuantizedWeight(q, scale, zp, global_scale=global_scale, method=self.name)
+            result = self._quantize(weight, args, ctx.weight_dtype, importance, ctx.global_scale(name),
+                                    lambda: ctx.phase("scale_search"))
             ctx.set_quantized(name, result)
         if ctx.active is None:
             self._reset()

@@ -70,6 +70,7 @@ class LayerPlan:
     skipped_linears: list[str] = field(default_factory=list)  # checkpoint names of linears left unquantised
     kv_attention: str | None = None  # --kv-cache: layer-local name of the attention module whose cache is fp8
     kv_heads: int = 0  # its KV heads
+    kv_latent: bool = False  # MLA: the cache holds the compressed latent and the rope part, under one scale
 
 
 def plan_kv_cache(handle: ModelHandle, plans: list[LayerPlan], mode: str) -> None:
@@ -80,10 +81,11 @@ def plan_kv_cache(handle: ModelHandle, plans: list[LayerPlan], mode: str) -> Non
 
     kv_strategy(mode)
     config = handle.config.get_text_config() if hasattr(handle.config, "get_text_config") else handle.config
-    if getattr(config, "kv_lora_rank", None):
-        raise InputError("--kv-cache on an MLA model (kv_lora_rank): vLLM caches its compressed latent, which "
-                         "quantkit does not calibrate yet; quantise without --kv-cache")
-    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    latent = bool(getattr(config, "kv_lora_rank", None))
+    if latent and kv_strategy(mode) != "tensor":
+        raise InputError("--kv-cache fp8-head on an MLA model: its cache holds one compressed latent shared by every "
+                         "head (vLLM scales it with one k_scale); use --kv-cache fp8")
+    heads = 1 if latent else getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
     for p in plans:
         found = attention_modules(handle.meta_layer(p.index))
         if len(found) != 1:
@@ -91,7 +93,7 @@ def plan_kv_cache(handle: ModelHandle, plans: list[LayerPlan], mode: str) -> Non
             raise InputError(f"--kv-cache: layer {p.index} of {handle.config.model_type} has {what} attention modules "
                              "that store keys and values through a cache (expected one named self_attn or "
                              "attention); its cache layout is not known to quantkit")
-        p.kv_attention, p.kv_heads = found[0][0], int(heads)
+        p.kv_attention, p.kv_heads, p.kv_latent = found[0][0], int(heads), latent
 
 
 def ignore_matches(pattern: str, name: str) -> bool:
@@ -694,7 +696,7 @@ def prepare_run(recipe: Recipe, tp: int | None = None, device: str = "cpu") -> R
         with progress_bar() as progress:
             task = progress.add_task("sensitivity", total=len(plans), info="per-linear KL estimate")
             precision = plan_precision(handle, plans, q.mixed, choices, calib.input_ids, weight_dtype, device,
-                                       on_layer=lambda: progress.advance(task))
+                                       method=methods[-1], on_layer=lambda: progress.advance(task))
         scheme = base_scheme(plans)
         for p in plans:
             for t in p.targets:
@@ -1101,15 +1103,19 @@ def _run_layers(run: LayerRun, calib: CalibrationSet, batch_size: int, start: in
 
 
 def observe_kv(layer: nn.Module, plan: LayerPlan, ctx: LayerContext) -> list:
-    """--kv-cache: record the absmax per KV head of the keys and values the layer's attention stores."""
+    """--kv-cache: record the absmax per KV head of the keys and values the layer's attention stores. An MLA
+    layer stores its latent (as keys) and its rope part after RoPE (as values) in one cache row under one scale:
+    both scales then take the absmax of the two."""
     if not plan.kv_attention:
         return []
     from quantkit.models.kv_tap import tap_kv
     from quantkit.quant.kv_cache import head_absmax
 
     def observe(k: torch.Tensor, v: torch.Tensor):
-        for key, states in (("k", k), ("v", v)):
-            m = head_absmax(states)
+        seen = {"k": head_absmax(k), "v": head_absmax(v)}
+        if plan.kv_latent:
+            seen["k"] = seen["v"] = torch.maximum(seen["k"].amax(), seen["v"].amax()).reshape(1)
+        for key, m in seen.items():
             prev = ctx.kv_absmax.get(key)
             ctx.kv_absmax[key] = m if prev is None else torch.maximum(prev, m)
         return k, v

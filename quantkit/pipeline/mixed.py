@@ -51,8 +51,9 @@ def tie_key(module: str) -> str:
 
 
 def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], input_ids: torch.Tensor,
-                   weight_dtype: torch.dtype, device: str = "cpu", on_layer=None) -> dict:
-    """Set each target's scheme (LayerPlan.targets[*].scheme) and return the plan (see the module docstring)."""
+                   weight_dtype: torch.dtype, device: str = "cpu", method=None, on_layer=None) -> dict:
+    """Set each target's scheme (LayerPlan.targets[*].scheme) and return the plan (see the module docstring).
+    `method`: the run's quantising method, whose stored weights the estimates weigh (`Method.preview`)."""
     from quantkit.pipeline.sensitivity import SensitivityOptions, linear_sensitivity
 
     targets = [t for p in plans for t in p.targets]
@@ -77,7 +78,8 @@ def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], 
     weights = sum(t.out_features * t.in_features for t in targets)
     began = time.perf_counter()
     options = SensitivityOptions(samples=min(spec.samples, input_ids.shape[0]), draws=spec.draws)
-    kl = linear_sensitivity(handle, plans, per_linear, input_ids, weight_dtype, device, options, on_layer=on_layer)
+    kl = linear_sensitivity(handle, plans, per_linear, input_ids, weight_dtype, device, options, method=method,
+                            on_layer=on_layer)
     seconds = time.perf_counter() - began
     errors = [[sum(kl[t.checkpoint][j] for t in members) for j in range(len(item_choices[key]))]
               for key, members in tied.items()]
@@ -114,7 +116,7 @@ def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], 
         "schemes": counts,
         "dropped": dropped,
         "sensitivity": {"samples": options.samples, "draws": options.draws, "seconds": round(seconds, 2),
-                        "estimate": "fisher"},
+                        "estimate": "fisher", "weights": getattr(method, "name", None) or "rtn"},
         "linears": linears,
     }
 

@@ -9,6 +9,10 @@ The score never needs a weight gradient: for a linear computing Y from X, d log 
 tokens of dlogp/dY . dY, where dY is what the linear computes quantised (weights, and activations where the scheme
 quantises them) minus what it computes. So each choice costs one extra matmul per calibration batch.
 
+What "quantised" means is the run's method's: `Method.preview` gives the weight it would store under each choice
+(RTN's importance-weighted scale search, GPTQ's solve), from statistics of the linear's input on the same samples
+(its mean squares, or its Hessian), gathered one layer at a time in a forward pass before that layer's backward.
+
 The pass streams: a forward stores every layer's input (one generation of hidden states per layer), the output
 head gives each draw's gradient at the top, then the layers are materialised again from the last to the first,
 each run once forward with its inputs requiring grad and once backward per draw.
@@ -52,6 +56,12 @@ def _fake_inputs(x: torch.Tensor, acts: QuantArgs | None) -> torch.Tensor:
     return quantize_activation(x, acts, scale_from_absmax(x.abs().amax().reshape(1), acts.half_range))
 
 
+def _preview(method, weight: torch.Tensor, args: QuantArgs, stats, weight_dtype: torch.dtype) -> torch.Tensor:
+    if method is None:
+        return round_trip(weight, args, weight_dtype)
+    return method.preview(weight, args, stats, weight_dtype)
+
+
 def _top_gradients(handle: ModelHandle, hidden: list[torch.Tensor], options: SensitivityOptions,
                    device: str) -> list[torch.Tensor]:
     """Per batch, [draws, *h.shape]: the gradient of the sampled tokens' log-likelihood at the last hidden state."""
@@ -84,11 +94,44 @@ def _top_gradients(handle: ModelHandle, hidden: list[torch.Tensor], options: Sen
     return grads
 
 
+def _input_stats(layer, modules: dict, wanted: dict, hidden: list, calls: list, i: int, kind: str | None) -> dict:
+    """PreviewStats of each wanted linear's input over the batches (None without a kind)."""
+    if kind is None:
+        return {}
+    from quantkit.methods.base import PreviewStats
+
+    sums: dict[str, list] = {}
+
+    def hook(local):
+        def fn(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            acc = sums.setdefault(local, [0, torch.zeros(x.shape[-1], dtype=torch.float64, device=x.device), None])
+            acc[0] += x.shape[0]
+            acc[1] += x.pow(2).sum(0).double()
+            if kind == "hessian":
+                xtx = (x.T @ x).double()
+                acc[2] = xtx if acc[2] is None else acc[2] + xtx
+        return fn
+
+    handles = [modules[local].register_forward_pre_hook(hook(local)) for local in wanted]
+    try:
+        with torch.no_grad():
+            for b, h in enumerate(hidden):
+                run_layer(layer, h, calls[b][i])
+    finally:
+        for hd in handles:
+            hd.remove()
+    return {local: PreviewStats(n, (sq / max(n, 1)).float(), None if xtx is None else (xtx * (2.0 / max(n, 1))).float())
+            for local, (n, sq, xtx) in sums.items()}
+
+
 def linear_sensitivity(handle: ModelHandle, plans: list, choices: dict[str, list[Scheme]], input_ids: torch.Tensor,
                        weight_dtype: torch.dtype, device: str = "cpu",
-                       options: SensitivityOptions = SensitivityOptions(), on_layer=None) -> dict[str, list[float]]:
+                       options: SensitivityOptions = SensitivityOptions(), method=None,
+                       on_layer=None) -> dict[str, list[float]]:
     """Estimated KL (nats per token) each choice of each linear adds on its own, keyed by checkpoint name in the
-    order of `choices[name]`. `plans`: the run's LayerPlans (their targets are the linears measured);
+    order of `choices[name]`. `plans`: the run's LayerPlans (their targets are the linears measured); `method`:
+    the run's quantising Method, whose `preview` gives each choice's stored weight (None: round to nearest);
     `on_layer()` is called once per layer of the backward sweep (progress)."""
     ids = input_ids[: options.samples]
     tokens = ids.numel()
@@ -106,12 +149,15 @@ def linear_sensitivity(handle: ModelHandle, plans: list, choices: dict[str, list
         layer = handle.materialize_layer(i, torch.float32, device)
         modules = dict(layer.named_modules())
         wanted = {t.local: t.checkpoint for t in plan.targets if choices.get(t.checkpoint)}
-        stored = {local: [round_trip(modules[local].weight.data, s.weights, weight_dtype)
+        layer_inputs = inputs.pop()
+        stats = _input_stats(layer, modules, wanted, layer_inputs, calls, i, getattr(method, "preview_stats", None))
+        stored = {local: [_preview(method, modules[local].weight.data, s.weights, stats.get(local), weight_dtype)
                           for s in choices[ckpt]] for local, ckpt in wanted.items()}
+        del stats
         for local, ckpt in wanted.items():
             sums.setdefault(ckpt, [0.0] * len(choices[ckpt]))
         below = []
-        for b, h in enumerate(inputs.pop()):
+        for b, h in enumerate(layer_inputs):
             seen: dict[str, list] = {}
 
             def hook(local):

@@ -58,10 +58,17 @@ def dequantize_any(
     return dequantize_weight_args(q, scale.float(), zero_point, args, g_idx, dtype)
 
 
+def as_stored(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantArgs,
+              scale_dtype: torch.dtype, g_idx: torch.Tensor | None = None,
+              global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight a consumer computes from stored values: the scale in the checkpoint's dtype, the product rounded
+    to it as it multiplies there (fp32 result holding `scale_dtype` values)."""
+    deq = dequantize_any(q, scale.to(scale_dtype).float(), zero_point, args, g_idx, global_scale=global_scale)
+    return deq.to(scale_dtype).float()
+
+
 def round_trip(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype,
                global_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight a consumer computes from its round-to-nearest quantisation, scales and product rounded to
-    `scale_dtype` as the checkpoint stores them (fp32 result)."""
+    """`as_stored` of the weight's round-to-nearest quantisation."""
     q, scale, zp, gs = quantize_any(weight, args, scale_dtype, global_scale)
-    deq = dequantize_any(q, scale.to(scale_dtype).float(), zp, args, global_scale=gs)
-    return deq.to(scale_dtype).float()
+    return as_stored(q, scale, zp, args, scale_dtype, global_scale=gs)

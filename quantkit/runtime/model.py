@@ -272,13 +272,16 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
 
 def _install_kv_cache(model: nn.Module, handle: ModelHandle, quant: QuantConfig, device, where: str) -> str:
     """Round every key and value an attention layer stores through an e4m3 cache under its checkpoint's
-    k_scale / v_scale, as vLLM's fp8 cache holds them; prefill and decode attend over the rounded states alike."""
+    k_scale / v_scale, as vLLM's fp8 cache holds them; prefill and decode attend over the rounded states alike.
+    An MLA layer stores its latent and rope part in one row that vLLM scales by k_scale alone."""
     from quantkit.models.kv_tap import attention_modules, tap_kv
     from quantkit.quant.kv_cache import fake_quantize_kv
 
-    if getattr(handle.config, "kv_lora_rank", None):
-        raise InputError(f"{where}: an fp8 KV cache on an MLA model (its compressed latent) is not supported by "
-                         "quantkit's runtime")
+    config = handle.config.get_text_config() if hasattr(handle.config, "get_text_config") else handle.config
+    latent = bool(getattr(config, "kv_lora_rank", None))
+    if latent and quant.kv_cache != "tensor":
+        raise InputError(f"{where}: kv_cache_scheme strategy {quant.kv_cache} on an MLA model: its latent cache has "
+                         "one scale (vLLM's k_scale)")
     found = attention_modules(model)
     if not found:
         raise InputError(f"{where}: kv_cache_scheme is set but no attention module (self_attn / attention) was found")
@@ -288,6 +291,8 @@ def _install_kv_cache(model: nn.Module, handle: ModelHandle, quant: QuantConfig,
         if missing:
             raise InputError(f"{where}: kv_cache_scheme is set but {missing[0]} is missing")
         k_scale, v_scale = (_read(handle.index, f"{ckpt}.{t}", device) for t in ("k_scale", "v_scale"))
+        if latent:
+            v_scale = k_scale
         tap_kv(module, lambda k, v, ks=k_scale, vs=v_scale: (fake_quantize_kv(k, ks), fake_quantize_kv(v, vs)))
     return quant.kv_cache
 

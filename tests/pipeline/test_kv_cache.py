@@ -126,9 +126,53 @@ def test_decode_steps_read_the_rounded_cache(bf16_llama, tmp_path):
     torch.testing.assert_close(logits.reshape(-1).float(), full, rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("kv") / "deepseek_v3", "deepseek_v3")
+
+
+def test_mla_latent_and_rope_part_share_one_scale(deepseek, tmp_path):
+    """MLA caches its compressed latent and its rope part after RoPE, one row under vLLM's k_scale: the scale is
+    the absmax of both over 448, measured independently by transformers' own cache on the quantised model."""
+    from quantkit.data.calibration import build_token_blocks
+    from transformers import AutoTokenizer
+
+    path = _quantize(deepseek, tmp_path / "q", "fp8", scheme="W4A16")
+    scales = _scales(path)
+    assert all(s.shape == (1,) for pair in scales.values() for s in pair)
+    tok = AutoTokenizer.from_pretrained(path)
+    blocks = build_token_blocks(tok, "kjv", CALIB["num_samples"], CALIB["seq_len"], 42).input_ids
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    seen = {}
+    with torch.no_grad():
+        for row in blocks:
+            model(row[None], cache=_RecordingCache(seen, config=model.config), use_cache=True)
+    rank = model.config.kv_lora_rank
+    for i, (ks, vs) in scales.items():
+        want = torch.maximum(seen[i]["k"].amax(), seen[i]["v"].amax()).reshape(1) / 448
+        torch.testing.assert_close(ks.float(), want, rtol=0.02, atol=0)
+        assert torch.equal(ks, vs)
+    assert rank == 32  # the latent is what the cache received as keys (not per-head decompressed keys)
+
+
+def test_mla_runtime_cache_is_transformers_with_a_plain_fp8_latent_cache(deepseek, tmp_path):
+    path = _quantize(deepseek, tmp_path / "q", "fp8", scheme="W4A16")
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    rt, plain_rt = load_model(path, dtype=torch.float32), load_model(path, dtype=torch.float32, kv_cache=False)
+    assert rt.kv_cache == "tensor"
+    scales = {i: (k, k) for i, (k, _v) in _scales(path).items()}  # vLLM scales the whole row by k_scale
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got, off = rt(input_ids=ids).logits.float(), plain_rt(input_ids=ids).logits.float()
+        ref = model(ids, cache=_PlainFP8Cache(scales, config=model.config), use_cache=True).logits.float()
+    assert not torch.allclose(got, off, atol=1e-4)  # the cache rounds something
+    # per-expert matmuls vs transformers' fused experts: rounding order differs (test_model.py: MoE 1e-5)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_refused_where_the_cache_layout_is_not_known(tiny_models, tmp_path):
-    with pytest.raises(InputError, match="MLA"):
-        _quantize(tiny_models["deepseek_v3"], tmp_path / "q", "fp8", scheme="W4A16")
+    with pytest.raises(InputError, match="one compressed latent"):
+        _quantize(tiny_models["deepseek_v3"], tmp_path / "q", "fp8-head", scheme="W4A16")
     with pytest.raises(InputError, match="valid: fp8, fp8-head"):
         _quantize(tiny_models["llama"], tmp_path / "q2", "int8", scheme="W4A16")
     assert not (tmp_path / "q").exists() and not (tmp_path / "q.partial").exists()

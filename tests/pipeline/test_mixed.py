@@ -103,10 +103,14 @@ def test_linears_served_as_one_share_a_scheme(llama, tiny_models, tmp_path):
 
 
 def test_error_budget_gives_the_smaller_plan_for_the_looser_bound(llama, tmp_path):
-    tight = _run(llama, tmp_path / "a", method="rtn", schemes=CHOICES, max_kl=2e-4)["precision"]
-    loose = _run(llama, tmp_path / "b", method="rtn", schemes=CHOICES, max_kl=5e-3)["precision"]
-    assert tight["estimated_kl"] <= 2e-4 and loose["estimated_kl"] <= 5e-3
+    loose = _run(llama, tmp_path / "b", method="rtn", schemes=CHOICES, max_kl=1.0)["precision"]
+    linears = json.loads((tmp_path / "b" / "precision_plan.json").read_text())["linears"]
+    floor = sum(min(e["kl"].values()) for e in linears)  # every linear at its most accurate choice
+    bound = floor * 1.1
+    tight = _run(llama, tmp_path / "a", method="rtn", schemes=CHOICES, max_kl=bound)["precision"]
+    assert tight["estimated_kl"] <= bound and loose["estimated_kl"] <= 1.0
     assert loose["bits_per_weight"] < tight["bits_per_weight"]
+    assert set(loose["schemes"]) == {"W4A16:ch"}  # nothing bought where nothing is needed
 
 
 def test_bad_budgets_are_one_line_and_leave_nothing(tiny_models, tmp_path):
