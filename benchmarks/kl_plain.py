@@ -24,13 +24,16 @@ def load(folder: Path) -> torch.nn.Module:
     # fp4 checkpoint is decompressed once at load (dequantize=True: the same weights, held dense in float32).
     config = json.loads((folder / "config.json").read_text())
     fmt = str((config.get("quantization_config") or {}).get("format", ""))
-    if "fp4" in fmt:
-        from transformers import CompressedTensorsConfig
+    from transformers import CompressedTensorsConfig
 
-        return AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    return model.eval()
+    dense = dict(dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
+    if "fp4" in fmt:
+        return AutoModelForCausalLM.from_pretrained(folder, **dense).eval()
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    except RuntimeError:
+        # transformers' compressed path cannot hold zero points (asymmetric weights): decompressed, the same weights
+        return AutoModelForCausalLM.from_pretrained(folder, **dense).eval()
 
 
 @torch.inference_mode()
