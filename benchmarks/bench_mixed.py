@@ -73,21 +73,46 @@ def rank_check(model: Path, tok, n_samples: int, seq_len: int, seed: int, sample
             "layers": picked, "tokens": int(ids.numel()), "pass_seconds": round(pass_seconds, 1)}
 
 
+def _rank_line(check: dict) -> str:
+    return (f"Rank check: {len(check['rows'])} linears of layers {check['layers']}, W4A16 g64 round to nearest, "
+            f"measured on the sensitivity pass's {check['tokens']} tokens: Spearman {check['spearman']:.3f}, median "
+            f"estimate / measured {check['median_ratio']:.3f} (pass {check['pass_seconds']} s, all "
+            f"{check['seconds']} s).")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M)")
-    ap.add_argument("--choices", default="W4A16:ch,W4A16:g128,W4A16:g64,W4A16:g32,W8A16:ch")
+    ap.add_argument("--choices", default="W4A16:ch,W4A16:g128,W4A16:g64,W4A16:g32,W8A16:ch;"
+                    "W4A16:ch,W4A16:g64,W4A16:g32,W4A16_ASYM:ch,W4A16_ASYM:g64,W4A16_ASYM:g32,W8A16:ch",
+                    help="choice sets, ';' between sets; each gives one mixed run per method")
+    ap.add_argument("--reference", default="W4A16_ASYM:g64",
+                    help="another uniform scheme to list beside them (empty: none)")
     ap.add_argument("--methods", default="rtn,gptq")
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--heldout-samples", type=int, default=16)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--skip-rank-check", action="store_true")
+    ap.add_argument("--rank-check-only", action="store_true", help="only the rank check (results/mixed_rank.md)")
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "mixed")
     args = ap.parse_args()
 
     load = {"before": os.getloadavg()[0]}
     model, tok = prepare_run(args.model, args.work)
+    from quantkit.quant.schemes import parse_choice
+
+    if args.rank_check_only:
+        began = time.time()
+        check = rank_check(model, tok, args.calib_samples, args.seq_len, args.seed)
+        check["seconds"] = round(time.time() - began, 1)
+        md = ["# Sensitivity estimate against measured single-linear KL", "", f"model `{model.name}`; torch CPU "
+              f"capability {torch.backends.cpu.get_cpu_capability()}, load average before {load['before']:.2f}, "
+              f"after {os.getloadavg()[0]:.2f}", "", _rank_line(check), "", "| linear | measured KL | estimated |",
+              "|---|---|---|"] + [f"| {r['module']} | {r['measured']:.4g} | {r['estimated']:.4g} |" for r in check["rows"]]
+        write_results("mixed_rank", {"rank_check": check, "load_average": [load["before"], os.getloadavg()[0]]},
+                      "\n".join(md) + "\n")
+        return
     eval_files = heldout_sets(tok, args.work, args.heldout_samples, args.seq_len)
     quantkit = str(ROOT / ".venv" / "bin" / "quantkit")
     calib = ["--dataset", "kjv", "--num-samples", str(args.calib_samples), "--seq-len", str(args.seq_len),
@@ -102,15 +127,26 @@ def main() -> None:
         runs[name] = {"wall_s": res["wall_s"], "bits": summary["bits_per_weight"], "path": out, "method": method}
         print(f"{name}: {res['wall_s']:.1f} s, {summary['bits_per_weight']} bits", flush=True)
         target = summary["bits_per_weight"]
-        name = f"mixed {method}"
-        out = args.work / name.replace(" ", "_")
-        res = run_measured([quantkit, "quantize", "--model", str(model), "--method", method, "--schemes",
-                            args.choices, "--target-bits", str(target), *calib, "--output", str(out), "--json"])
-        summary = json.loads(res["stdout"])
-        runs[name] = {"wall_s": res["wall_s"], "bits": summary["bits_per_weight"], "path": out, "method": method,
-                      "precision": summary["precision"]}
-        print(f"{name}: {res['wall_s']:.1f} s, {summary['bits_per_weight']} bits, "
-              f"{summary['precision']['schemes']}", flush=True)
+        if args.reference:
+            ref = parse_choice(args.reference)
+            name = f"uniform {ref.name} {ref.label.partition(':')[2]} {method}"
+            out = args.work / name.replace(" ", "_")
+            group = ref.weights.group_size if ref.weights.strategy == "group" else -1
+            res = run_measured([quantkit, "quantize", "--model", str(model), "--method", method, "--scheme", ref.name,
+                                "--group-size", str(group), *calib, "--output", str(out), "--json"])
+            summary = json.loads(res["stdout"])
+            runs[name] = {"wall_s": res["wall_s"], "bits": summary["bits_per_weight"], "path": out, "method": method}
+            print(f"{name}: {res['wall_s']:.1f} s, {summary['bits_per_weight']} bits", flush=True)
+        for k, choices in enumerate(args.choices.split(";"), start=1):
+            name = f"mixed {method} set {k}"
+            out = args.work / name.replace(" ", "_")
+            res = run_measured([quantkit, "quantize", "--model", str(model), "--method", method, "--schemes",
+                                choices, "--target-bits", str(target), *calib, "--output", str(out), "--json"])
+            summary = json.loads(res["stdout"])
+            runs[name] = {"wall_s": res["wall_s"], "bits": summary["bits_per_weight"], "path": out, "method": method,
+                          "precision": summary["precision"], "set": k}
+            print(f"{name}: {res['wall_s']:.1f} s, {summary['bits_per_weight']} bits, "
+                  f"{summary['precision']['schemes']}", flush=True)
     for name, r in runs.items():
         r["kl"] = {k: kl_plain(model, r["path"], f) for k, f in eval_files.items()}
         print(name, {k: round(v["kl_mean"], 4) for k, v in r["kl"].items()}, flush=True)
@@ -122,7 +158,8 @@ def main() -> None:
     load["after"] = os.getloadavg()[0]
 
     md = ["# Mixed precision at the size of uniform W4A16 g64", "",
-          f"model `{model.name}`; choices `{args.choices}`; calibration KJV {args.calib_samples} x {args.seq_len} "
+          f"model `{model.name}`; " + "; ".join(f"choice set {k}: `{c}`" for k, c in enumerate(args.choices.split(";"), 1))
+          + f"; calibration KJV {args.calib_samples} x {args.seq_len} "
           f"tokens (the sensitivity pass reads the first 8); held-out {args.heldout_samples} x {args.seq_len} tokens "
           "per domain, scored by benchmarks/kl_plain.py (transformers + compressed-tensors); torch CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, load average before "
@@ -134,20 +171,20 @@ def main() -> None:
         md.append(f"| {name} | {r['wall_s']:.1f} | {r['bits']} | {kj['kl_mean']:.4f} | {py['kl_mean']:.4f} | "
                   f"{kj['ppl']:.3f} | {kj['top1_agree']:.4f} |")
     md.append("")
-    for method in args.methods.split(","):
-        u, m = runs[f"uniform W4A16 g64 {method}"], runs[f"mixed {method}"]
+    for name, m in runs.items():
+        if "precision" not in m:
+            continue
+        method = m["method"]
+        u = runs[f"uniform W4A16 g64 {method}"]
         p = m["precision"]
-        md.append(f"- {method}: mixed / uniform KL {HELDOUT_KJV} {ratio(m['kl'][HELDOUT_KJV]['kl_mean'], u['kl'][HELDOUT_KJV]['kl_mean'])}, "
+        md.append(f"- {method}, set {m['set']}: mixed / uniform KL {HELDOUT_KJV} {ratio(m['kl'][HELDOUT_KJV]['kl_mean'], u['kl'][HELDOUT_KJV]['kl_mean'])}, "
                   f"{HELDOUT_PYDOC} {ratio(m['kl'][HELDOUT_PYDOC]['kl_mean'], u['kl'][HELDOUT_PYDOC]['kl_mean'])}; "
                   f"bits {m['bits']} vs {u['bits']}; wall {ratio(m['wall_s'], u['wall_s'])} (sensitivity pass "
                   f"{p['sensitivity']['seconds']} s); plan: " + ", ".join(
                       f"{label} {v['linears']} linears ({100 * v['weights'] / sum(x['weights'] for x in p['schemes'].values()):.1f}% of weights)"
                       for label, v in sorted(p["schemes"].items())))
     if check:
-        md += ["", f"Rank check: {len(check['rows'])} linears of layers {check['layers']}, W4A16 g64 RTN, measured on "
-               f"the sensitivity pass's {check['tokens']} tokens: Spearman {check['spearman']:.3f}, median "
-               f"estimate / measured {check['median_ratio']:.3f} (pass {check['pass_seconds']} s, all "
-               f"{check['seconds']} s)."]
+        md += ["", _rank_line(check)]
     payload = {"load_average": load, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                "choices": args.choices, "rank_check": check,
                "runs": {k: {**{kk: vv for kk, vv in v.items() if kk != "path"}, "path": str(v["path"])}
