@@ -95,8 +95,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--skip-rank-check", action="store_true")
     ap.add_argument("--rank-check-only", action="store_true", help="only the rank check (results/mixed_rank.md)")
-    ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "mixed")
+    ap.add_argument("--results", default="mixed", help="results file name (split a long run by --methods)")
+    ap.add_argument("--work", type=Path, default=None, help="default benchmarks/.work/<results>")
     args = ap.parse_args()
+    args.work = args.work or ROOT / "benchmarks" / ".work" / args.results
 
     load = {"before": os.getloadavg()[0]}
     model, tok = prepare_run(args.model, args.work)
@@ -165,11 +167,11 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, load average before "
           f"{load['before']:.2f}, after {load['after']:.2f}", "",
           f"| run | wall s | bits/weight | KL {HELDOUT_KJV} | KL {HELDOUT_PYDOC} | perplexity {HELDOUT_KJV} | "
-          f"top-1 {HELDOUT_KJV} |", "|---|---|---|---|---|---|---|"]
+          f"top-1 {HELDOUT_KJV} | scored by |", "|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
         kj, py = r["kl"][HELDOUT_KJV], r["kl"][HELDOUT_PYDOC]
         md.append(f"| {name} | {r['wall_s']:.1f} | {r['bits']} | {kj['kl_mean']:.4f} | {py['kl_mean']:.4f} | "
-                  f"{kj['ppl']:.3f} | {kj['top1_agree']:.4f} |")
+                  f"{kj['ppl']:.3f} | {kj['top1_agree']:.4f} | {kj.get('scorer', '')} |")
     md.append("")
     for name, m in runs.items():
         if "precision" not in m:
@@ -189,7 +191,7 @@ def main() -> None:
                "choices": args.choices, "rank_check": check,
                "runs": {k: {**{kk: vv for kk, vv in v.items() if kk != "path"}, "path": str(v["path"])}
                         for k, v in runs.items()}}
-    write_results("mixed", payload, "\n".join(md) + "\n")
+    write_results(args.results, payload, "\n".join(md) + "\n")
 
 
 if __name__ == "__main__":

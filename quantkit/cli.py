@@ -250,10 +250,8 @@ def quantize(
                 console.print(f"per-layer relative output error: mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f}")
             mixed = summary.get("precision")
             if mixed:
-                console.print(f"mixed precision: {mixed['bits_per_weight']} bits/weight planned, estimated KL "
-                              f"{mixed['estimated_kl']:.4g}; " + ", ".join(
-                                  f"{label} {v['linears']} linears" for label, v in mixed["schemes"].items())
-                              + f" (per linear: {summary['output']}/precision_plan.json)", highlight=False)
+                console.print(_precision_line(mixed) + f" (per linear: {summary['output']}/precision_plan.json)",
+                              highlight=False)
             for name, modules in ({} if mixed else summary.get("scheme_overrides", {})).items():
                 console.print(f"[yellow]note:[/] {len(modules)} linears use {name} instead (input size not a "
                               f"multiple of the block): {', '.join(modules[:4])}{' ...' if len(modules) > 4 else ''}")
@@ -312,8 +310,15 @@ def _print_plan(report: dict) -> None:
     console.print(table)
     console.print(f"per layer: {b['per_layer_fixed_seconds']:.3f} s fixed + {b['per_sample_forward_seconds']:.4f} s "
                   f"per sample x {report['samples']} samples; compute {report['compute_dtype']}", highlight=False)
+    if report.get("precision"):
+        console.print(_precision_line(report["precision"]), highlight=False)
     for w in report.get("tp_warnings") or []:
         console.print(f"[yellow]warning:[/] tp={w['tp']}: {w['module']} ({w['problem']})", highlight=False)
+
+
+def _precision_line(p: dict) -> str:
+    return (f"mixed precision: {p['bits_per_weight']} bits/weight planned, estimated KL {p['estimated_kl']:.4g}; "
+            + ", ".join(f"{label} {v['linears']} linears" for label, v in p["schemes"].items()))
 
 
 @app.command(cls=_Command)

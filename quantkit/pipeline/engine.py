@@ -673,10 +673,6 @@ def prepare_run(recipe: Recipe, tp: int | None = None, device: str = "cpu") -> R
         check_group_divisibility(plans, scheme)
     if not any(p.targets for p in plans):
         raise InputError("nothing to quantise: every linear is ignored")
-    from quantkit.pipeline.tp import tp_warnings
-
-    shard_warnings = tp_warnings(plans, tp)
-
     needs_stats = any(m.needs_calibration for m in methods) or scheme.static_activations or bool(q.kv_cache)
     n_samples = c.num_samples if needs_stats else min(c.num_samples, max(c.error_samples, q.mixed.samples if q.mixed else 0))
     calib = build_token_blocks(tokenizer, c.dataset, n_samples, c.seq_len, c.seed, text_column=c.text_column)
@@ -703,6 +699,9 @@ def prepare_run(recipe: Recipe, tp: int | None = None, device: str = "cpu") -> R
                 if t.scheme.label == scheme.label:
                     t.scheme = scheme
         methods = build_methods(q.method, scheme, q.options)
+    from quantkit.pipeline.tp import tp_warnings
+
+    shard_warnings = tp_warnings(plans, tp)  # after a mixed plan: each linear's own scheme
     # Every output tensor, in order: non-layer tensors as on disk, then each layer.
     specs: list[TensorSpec] = []
     for name in handle.non_layer_checkpoint_names():

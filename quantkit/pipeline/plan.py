@@ -313,6 +313,7 @@ def plan_run(opts: PlanOptions) -> dict:
                   "pack_seconds": round(trial.pack_seconds, 4), "rss_before_bytes": trial.rss_before,
                   "rss_peak_bytes": trial.rss_peak, **trial.extra},
         "tp_warnings": setup.tp_warnings,
+        **({"precision": {k: v for k, v in setup.precision.items() if k != "linears"}} if setup.precision else {}),
         "plan_seconds": round(time.perf_counter() - t0, 2),
     }
 
