@@ -674,7 +674,7 @@ def prepare_run(recipe: Recipe, tp: int | None = None, device: str = "cpu") -> R
     if not any(p.targets for p in plans):
         raise InputError("nothing to quantise: every linear is ignored")
     needs_stats = any(m.needs_calibration for m in methods) or scheme.static_activations or bool(q.kv_cache)
-    n_samples = c.num_samples if needs_stats else min(c.num_samples, max(c.error_samples, q.mixed.samples if q.mixed else 0))
+    n_samples = c.num_samples if needs_stats else min(c.num_samples, max(c.error_samples, 2 * q.mixed.samples if q.mixed else 0))
     calib = build_token_blocks(tokenizer, c.dataset, n_samples, c.seq_len, c.seed, text_column=c.text_column)
     vocab = getattr(handle.config, "vocab_size", None) or getattr(handle.config.get_text_config(), "vocab_size", None)
     if vocab is not None and int(calib.input_ids.max()) >= vocab:

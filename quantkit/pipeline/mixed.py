@@ -116,7 +116,9 @@ def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], 
         "schemes": counts,
         "dropped": dropped,
         "sensitivity": {"samples": options.samples, "draws": options.draws, "seconds": round(seconds, 2),
-                        "estimate": "fisher", "weights": getattr(method, "name", None) or "rtn"},
+                        "estimate": "fisher", "weights": getattr(method, "name", None) or "rtn",
+                        "statistics_held_out": bool(getattr(method, "preview_stats", None))
+                        and input_ids.shape[0] >= 2 * options.samples},
         "linears": linears,
     }
 

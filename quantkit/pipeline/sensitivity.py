@@ -12,6 +12,9 @@ quantises them) minus what it computes. So each choice costs one extra matmul pe
 What "quantised" means is the run's method's: `Method.preview` gives the weight it would store under each choice
 (RTN's importance-weighted scale search, GPTQ's solve), from statistics of the linear's input on the same samples
 (its mean squares, or its Hessian), gathered one layer at a time in a forward pass before that layer's backward.
+Those statistics come from the next `samples` sequences, not the ones the KL is measured on: a preview fitted to
+the very tokens that score it (GPTQ's solve above all) looks better than it will on any other text, and the
+allocation would favour the choices that overfit most. Without enough sequences they share the KL's.
 
 The pass streams: a forward stores every layer's input (one generation of hidden states per layer), the output
 head gives each draw's gradient at the top, then the layers are materialised again from the last to the first,
@@ -135,12 +138,20 @@ def linear_sensitivity(handle: ModelHandle, plans: list, choices: dict[str, list
     `on_layer()` is called once per layer of the backward sweep (progress)."""
     ids = input_ids[: options.samples]
     tokens = ids.numel()
+    kind = getattr(method, "preview_stats", None)
+    held_out = input_ids[options.samples : 2 * options.samples] if kind else input_ids[:0]
     hidden, calls = capture_layer_inputs(handle, ids, options.batch_size, device, torch.float32)
     inputs = [hidden]
+    stat_inputs, stat_calls = [[]], calls
+    if len(held_out):
+        stat_hidden, stat_calls = capture_layer_inputs(handle, held_out, options.batch_size, device, torch.float32)
+        stat_inputs = [stat_hidden]
     with torch.no_grad():
         for i in range(handle.num_layers):
             layer = handle.materialize_layer(i, torch.float32, device)
             inputs.append([run_layer(layer, h, calls[b][i]) for b, h in enumerate(inputs[-1])])
+            if len(held_out) and i + 1 < handle.num_layers:
+                stat_inputs.append([run_layer(layer, h, stat_calls[b][i]) for b, h in enumerate(stat_inputs[-1])])
             del layer
     grads = _top_gradients(handle, inputs.pop(), options, device)
     sums: dict[str, list[float]] = {}
@@ -150,7 +161,10 @@ def linear_sensitivity(handle: ModelHandle, plans: list, choices: dict[str, list
         modules = dict(layer.named_modules())
         wanted = {t.local: t.checkpoint for t in plan.targets if choices.get(t.checkpoint)}
         layer_inputs = inputs.pop()
-        stats = _input_stats(layer, modules, wanted, layer_inputs, calls, i, getattr(method, "preview_stats", None))
+        if len(held_out):
+            stats = _input_stats(layer, modules, wanted, stat_inputs.pop(), stat_calls, i, kind)
+        else:
+            stats = _input_stats(layer, modules, wanted, layer_inputs, calls, i, kind)
         stored = {local: [_preview(method, modules[local].weight.data, s.weights, stats.get(local), weight_dtype)
                           for s in choices[ckpt]] for local, ckpt in wanted.items()}
         del stats

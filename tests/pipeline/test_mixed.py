@@ -25,18 +25,20 @@ def llama(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("mixed") / "llama", "llama", intermediate_size=96)
 
 
-def _run(src, out, method="gptq", **mixed):
+def _run(src, out, method="gptq", samples=8, **mixed):
     r = Recipe()
     r.model.source = str(src)
     r.quantization.method = method
     r.quantization.mixed = MixedSpec(**mixed)
-    r.calibration.num_samples, r.calibration.seq_len = 8, 32
+    r.calibration.num_samples, r.calibration.seq_len = samples, 32
     return quantize_model(r, out)
 
 
 def test_size_budget_holds_and_the_checkpoint_runs_as_transformers_runs_it(llama, tmp_path):
-    summary = _run(llama, tmp_path / "q", schemes=CHOICES, target_bits=5.0)
+    summary = _run(llama, tmp_path / "q", schemes=CHOICES, target_bits=5.0, samples=16)
     plan = json.loads((tmp_path / "q" / "precision_plan.json").read_text())
+    # GPTQ's previews were solved on sequences 8-15, the KL scored on 0-7
+    assert plan["sensitivity"]["statistics_held_out"] is True
     assert summary["bits_per_weight"] <= 5.0  # the manifest's figure, measured on the written tensors
     assert summary["bits_per_weight"] == pytest.approx(plan["bits_per_weight"], abs=1e-3)
     used = {e["scheme"] for e in plan["linears"]}
