@@ -79,9 +79,10 @@ def build_quantization_config(scheme: Scheme, ignore: list[str], actorder: str |
     compressed-tensors pulls in transformers and torch.distributed (about 2 s), which would dominate the
     data-free FP8 path.
 
-    `overrides` maps a scheme label (`Scheme.label`) to the checkpoint module names that use it instead of `scheme` (e.g. the
-    FP8_BLOCK layers whose K is not a multiple of 128); each becomes its own config group targeting those
-    names, which both compressed-tensors and vLLM match before the class target "Linear".
+    `overrides` maps a scheme label (`Scheme.label`) to the checkpoint module names that use it instead of
+    `scheme` (the FP8_BLOCK layers whose K is not a multiple of 128, a mixed plan's other choices); each becomes
+    its own config group targeting those names, which both compressed-tensors and vLLM match before the class
+    target "Linear".
     """
     from importlib.metadata import version
 

@@ -85,7 +85,8 @@ def plan_kv_cache(handle: ModelHandle, plans: list[LayerPlan], mode: str) -> Non
     if latent and kv_strategy(mode) != "tensor":
         raise InputError("--kv-cache fp8-head on an MLA model: its cache holds one compressed latent shared by every "
                          "head (vLLM scales it with one k_scale); use --kv-cache fp8")
-    heads = 1 if latent else getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    heads = 1 if latent else (getattr(config, "num_key_value_heads", None)
+                              or getattr(config, "num_attention_heads", None))
     for p in plans:
         found = attention_modules(handle.meta_layer(p.index))
         if len(found) != 1:
@@ -674,7 +675,9 @@ def prepare_run(recipe: Recipe, tp: int | None = None, device: str = "cpu") -> R
     if not any(p.targets for p in plans):
         raise InputError("nothing to quantise: every linear is ignored")
     needs_stats = any(m.needs_calibration for m in methods) or scheme.static_activations or bool(q.kv_cache)
-    n_samples = c.num_samples if needs_stats else min(c.num_samples, max(c.error_samples, 2 * q.mixed.samples if q.mixed else 0))
+    # a mixed plan's sensitivity pass reads its samples and as many held-out ones (quantkit.pipeline.sensitivity)
+    few = max(c.error_samples, 2 * q.mixed.samples if q.mixed else 0)
+    n_samples = c.num_samples if needs_stats else min(c.num_samples, few)
     calib = build_token_blocks(tokenizer, c.dataset, n_samples, c.seq_len, c.seed, text_column=c.text_column)
     vocab = getattr(handle.config, "vocab_size", None) or getattr(handle.config.get_text_config(), "vocab_size", None)
     if vocab is not None and int(calib.input_ids.max()) >= vocab:

@@ -4,7 +4,8 @@ accuracy budget (`--max-kl`).
 Each linear's choices are priced exactly (the bits its tensors take on disk, from the same specs the writer
 uses) and weighed by the KL each adds to the model's output (`pipeline.sensitivity`); `quant.allocation` picks
 one per linear, tying the linears an engine serves as one (`tie_key`). A choice a linear cannot take (its groups
-do not divide K) is dropped for it and the linears tied to it, and the plan lists it. The plan is written next to the checkpoint as `precision_plan.json`.
+do not divide K) is dropped for it and the linears tied to it, and the plan lists it. The plan is written next to
+the checkpoint as `precision_plan.json`.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], 
                              f"({', '.join(s.label for s in choices)}) fits it and the linears served with it; "
                              f"add one that does (e.g. {choices[0].name}:ch) or --ignore {t.checkpoint}")
         if len(ok) < len(choices):
-            dropped.append({"modules": [t.checkpoint for t in members], "dropped": [s.label for s in choices if s not in ok]})
+            dropped.append({"modules": [t.checkpoint for t in members],
+                            "dropped": [s.label for s in choices if s not in ok]})
         item_choices[key] = ok
     per_linear = {t.checkpoint: item_choices[key] for key, members in tied.items() for t in members}
     costs = [[sum(_bits(t, s, weight_dtype) for t in members) for s in item_choices[key]]
@@ -106,7 +108,8 @@ def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], 
             entry["weights"] += n
             linears.append({"module": t.checkpoint, "scheme": label, "tied": key,
                             "bits_per_weight": round(_bits(t, t.scheme, weight_dtype) / n, 4),
-                            "kl": {s.label: float(f"{v:.6g}") for s, v in zip(per_linear[t.checkpoint], kl[t.checkpoint])}})
+                            "kl": {s.label: float(f"{v:.6g}")
+                                   for s, v in zip(per_linear[t.checkpoint], kl[t.checkpoint])}})
     return {
         "choices": [s.label for s in choices],
         "target_bits": spec.target_bits,
