@@ -53,7 +53,7 @@ KINDS = {
     "W4AFP8": [RTN + ["--scheme", "W4AFP8", "--group-size", "64"]],
     "MLA + fp8 latent KV cache": [
         ["convert-mla", "--num-samples", "8", "--seq-len", "256", "--refine-steps", "0", "--output", "SRC"],
-        RTN + ["--model", "SRC", "--scheme", "W8A16", "--group-size", "-1", "--kv-cache", "fp8"]],  # (refused on CPU)
+        RTN + ["--model", "SRC", "--scheme", "W4A16", "--group-size", "32", "--kv-cache", "fp8"]],
     # 4-bit choices only: the CPU build has no 8-bit WNA16 kernel (the W8A16 row)
     "mixed W4A16 sym + asym at 4.25 bits": [
         RTN + ["--schemes", "W4A16:ch,W4A16:g64,W4A16:g32,W4A16_ASYM:ch,W4A16_ASYM:g64,W4A16_ASYM:g32",
@@ -75,6 +75,9 @@ EXPLAINED = {
                                "quantkit's and is fixed: a tied head, which vLLM's DeepSeek-V3 left at zero (NLL "
                                "ln(49152) = 10.80). GPU builds not checked",
 }
+EXPLAINED["MLA + fp8 latent KV cache"] = (
+    "vLLM's CPU build loads it with kv_cache_dtype fp8; the gap is the bf16 MLA row's (+1.77 there, the same RoPE "
+    "disagreement of its CPU MLA), so this row cannot yet say how vLLM scales the fp8 latent")
 # Measured disagreements not yet explained (kept in the table until they are).
 OPEN: dict[str, str] = {}
 
