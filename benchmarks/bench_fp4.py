@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from common import (HELDOUT_KJV, HELDOUT_PYDOC, LLMC_PYTHON, ROOT, heldout_sets, kl_plain, prepare_run, ratio,
-                    run_measured, save_tokens, write_results)
+from common import (HELDOUT_KJV, HELDOUT_PYDOC, LLMC_PYTHON, ROOT, heldout_sets, kl_plain, machine_line, prepare_run,
+                    ratio, run_measured, save_tokens, write_results)
 
 
 def main() -> None:
@@ -77,9 +77,7 @@ def main() -> None:
     md = ["# fp4 weights (NVFP4, MXFP4): RTN and GPTQ, quantkit vs llm-compressor", "",
           f"model `{model.name}`; calibration KJV {args.calib_samples} x {args.seq_len} tokens (same ids for both "
           f"tools); held-out {args.heldout_samples} x {args.seq_len} tokens per domain, scored by "
-          "benchmarks/kl_plain.py (transformers + compressed-tensors); torch CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, load average before "
-          f"{load['before']:.2f}, after {load['after']:.2f}", "",
+          f"benchmarks/kl_plain.py (transformers + compressed-tensors); {machine_line(load)}", "",
           f"| run | wall s | peak RSS MB | KL {HELDOUT_KJV} | KL {HELDOUT_PYDOC} | perplexity {HELDOUT_KJV} | "
           f"top-1 {HELDOUT_KJV} |", "|---|---|---|---|---|---|---|"]
     for name, r in runs.items():

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from common import HELDOUT_KJV, HELDOUT_PYDOC, ROOT, heldout_sets, kl_plain, prepare_run, ratio, run_measured, write_results
+from common import (HELDOUT_KJV, HELDOUT_PYDOC, ROOT, heldout_sets, kl_plain, machine_line, prepare_run, ratio,
+                    run_measured, write_results)
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -160,12 +161,12 @@ def main() -> None:
     load["after"] = os.getloadavg()[0]
 
     md = ["# Mixed precision at the size of uniform W4A16 g64", "",
-          f"model `{model.name}`; " + "; ".join(f"choice set {k}: `{c}`" for k, c in enumerate(args.choices.split(";"), 1))
+          f"model `{model.name}`; "
+          + "; ".join(f"choice set {k}: `{c}`" for k, c in enumerate(args.choices.split(";"), 1))
           + f"; calibration KJV {args.calib_samples} x {args.seq_len} "
           f"tokens (the sensitivity pass reads the first 8); held-out {args.heldout_samples} x {args.seq_len} tokens "
-          "per domain, scored by benchmarks/kl_plain.py (transformers + compressed-tensors); torch CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, load average before "
-          f"{load['before']:.2f}, after {load['after']:.2f}", "",
+          f"per domain, scored by benchmarks/kl_plain.py (transformers + compressed-tensors); {machine_line(load)}",
+          "",
           f"| run | wall s | bits/weight | KL {HELDOUT_KJV} | KL {HELDOUT_PYDOC} | perplexity {HELDOUT_KJV} | "
           f"top-1 {HELDOUT_KJV} | scored by |", "|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():

@@ -68,6 +68,14 @@ def write_results(name: str, payload: dict, markdown: str) -> None:
     print(markdown)
 
 
+def machine_line(load: dict) -> str:
+    """What every result line is read beside: torch's CPU capability, the CPU count, the load average around it."""
+    import torch
+
+    return (f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, load average "
+            f"before {load['before']:.2f}, after {load['after']:.2f}")
+
+
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.3f}x" if b else "n/a"
 
