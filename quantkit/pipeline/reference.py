@@ -15,7 +15,7 @@ from quantkit.models.loader import ModelHandle
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
 
 
-def _output_head(handle: ModelHandle) -> str:
+def output_head(handle: ModelHandle) -> str:
     head = handle.skeleton.get_output_embeddings()
     for name, module in handle.skeleton.named_modules():
         if module is head:
@@ -41,7 +41,7 @@ def layerwise_logits(
         hidden = [run_layer(layer, h, calls[j][i]) for j, h in enumerate(hidden)]
         del layer
     norm_path = handle.adapter.layers_path.rpartition(".")[0] + ".norm"
-    head_path = _output_head(handle)
+    head_path = output_head(handle)
     norm = handle.materialize_module(norm_path, dtype, device)
     head = handle.materialize_module(head_path, dtype, device)
     try:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from quantkit.models.loader import ModelHandle
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
-from quantkit.pipeline.reference import _output_head
+from quantkit.pipeline.reference import output_head
 from quantkit.quant.activations import quantize_activation
 from quantkit.quant.args import QuantArgs
 from quantkit.quant.fp4 import nvfp4_global_scale
@@ -69,7 +69,7 @@ def _top_gradients(handle: ModelHandle, hidden: list[torch.Tensor], options: Sen
                    device: str) -> list[torch.Tensor]:
     """Per batch, [draws, *h.shape]: the gradient of the sampled tokens' log-likelihood at the last hidden state."""
     norm_path = handle.adapter.layers_path.rpartition(".")[0] + ".norm"
-    head_path = _output_head(handle)
+    head_path = output_head(handle)
     norm = handle.materialize_module(norm_path, torch.float32, device)
     head = handle.materialize_module(head_path, torch.float32, device)
     cap = getattr(handle.config, "final_logit_softcapping", None)
