@@ -103,24 +103,53 @@ class GPTQConfig:
 # ---------------------------------------------------------------------------------------------------------
 
 
+# From this input width on, x^T x is accumulated as its upper block triangle (HESSIAN_BLOCKS column blocks: 10 of
+# the 16 blocks), and mirrored once before the solve. Measured on a 2048 x 5504 bf16 batch (2 AVX-512 threads):
+# 0.126 s instead of 0.176 s for the product, and the float64 sum touches 10/16 of the entries.
+HESSIAN_TRIANGLE_MIN = 1024
+HESSIAN_BLOCKS = 4
+
+
+def hessian_blocks(n: int) -> list[tuple[int, int]]:
+    """The column blocks [i0, i1) whose upper triangle accumulate_hessian sums, for an input width n."""
+    if n < HESSIAN_TRIANGLE_MIN:
+        return [(0, n)]
+    step = -(-n // HESSIAN_BLOCKS)
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
+
+
 def accumulate_hessian(h_sum: torch.Tensor, x: torch.Tensor, matmul_dtype: torch.dtype = torch.float32) -> bool:
-    """h_sum += x^T x over all tokens of x [..., in]. Returns False (and adds nothing) when the product is
-    not finite, so one bad batch cannot poison the statistics.
+    """h_sum += x^T x over all tokens of x [..., in], on and above the diagonal blocks of `hessian_blocks`
+    (below them h_sum is left alone: `complete_hessian` mirrors the sum once it is whole). Returns False (and adds
+    nothing) when the product is not finite, so one bad batch cannot poison the statistics.
 
     bf16 inputs are exact in bf16; a bf16 matmul accumulates in fp32 internally and only rounds its output
     (relative error ~2^-9 per entry, far below the dampening), at ~9x the speed of an fp32 matmul on AMX CPUs.
+    With `matmul_dtype` bf16 a wider x (an fp32 model under bf16 autocast, where an fp32 norm weight widens the
+    linear's input) is rounded to bf16 first: that rounded x is what the autocast matmul multiplies.
+    The products are added to the float64 sum as they are (no fp32 copy of a [in, in] product).
     """
     x2 = x.reshape(-1, x.shape[-1])
-    if matmul_dtype == torch.bfloat16 and x2.dtype == torch.bfloat16:
-        xtx = (x2.t() @ x2).float()
-    else:
-        x2 = x2.float()
-        xtx = x2.t() @ x2
-    # |xtx_ij| <= sqrt(xtx_ii xtx_jj): a finite diagonal bounds every entry, and any inf/NaN input reaches it.
-    if not torch.isfinite(xtx.diagonal()).all():
-        return False
-    h_sum.add_(xtx)
+    x2 = x2.to(torch.bfloat16) if matmul_dtype == torch.bfloat16 else x2.float()
+    parts = []
+    for i0, i1 in hessian_blocks(x2.shape[-1]):
+        part = x2[:, i0:i1].t() @ x2[:, i0:]
+        # |xtx_ij| <= sqrt(xtx_ii xtx_jj): a finite diagonal bounds every entry, and any inf/NaN input reaches it.
+        if not torch.isfinite(part[:, : i1 - i0].diagonal()).all():
+            return False
+        parts.append((i0, i1, part))
+    for i0, i1, part in parts:
+        h_sum[i0:i1, i0:].add_(part)
     return True
+
+
+def complete_hessian(h: torch.Tensor) -> torch.Tensor:
+    """Fill, in place, the blocks below the diagonal blocks of a sum made by accumulate_hessian from those above."""
+    blocks = hessian_blocks(h.shape[-1])
+    for a, (i0, i1) in enumerate(blocks):
+        for j0, j1 in blocks[a + 1 :]:
+            h[j0:j1, i0:i1] = h[i0:i1, j0:j1].t()
+    return h
 
 
 def dampen(h: torch.Tensor, relative: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,7 +486,10 @@ class GPTQ(Method):
 
     def attach(self, ctx: LayerContext) -> list:
         self._reset()
-        mm_dtype = torch.bfloat16 if self.config.hessian_dtype == "bfloat16" else torch.float32
+        # bf16 products only where the layer's matmuls read bf16 (a bf16 model, or an fp32 one under autocast):
+        # an fp32 run keeps fp32 inputs exact, and on CPUs without bf16 units a bf16 matmul is the slower.
+        bf16 = self.config.hessian_dtype == "bfloat16" and ctx.matmul_dtype == torch.bfloat16
+        mm_dtype = torch.bfloat16 if bf16 else torch.float32
 
         self._shared = SharedInputs(known=ctx.input_leaders)
 
@@ -550,7 +582,7 @@ class GPTQ(Method):
                     self._rtn(ctx, name, reason="no-tokens")
                 continue
             if leader not in hessians:  # the float64 sum is freed here; linears of other schemes share the result
-                hessians[leader] = self._sums.pop(leader).mul_(2.0 / tokens).float()
+                hessians[leader] = complete_hessian(self._sums.pop(leader)).mul_(2.0 / tokens).float()
             rows = [ctx.targets[name].weight.shape[0] for name in names]
             problems.append(_Problem(names, None, hessians[leader], rows, args))
         del hessians

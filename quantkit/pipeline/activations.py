@@ -15,12 +15,16 @@ import torch
 
 class ActivationStore:
     """`folder`: spill every batch there (--offload-dir). `device`: where `store[j]` returns batches (None: as
-    stored). `host`: keep in-memory batches in CPU memory instead of on `device` (GPU offload)."""
+    stored). `host`: keep in-memory batches in CPU memory instead of on `device` (GPU offload). `dtype`: every
+    batch is kept in it (None: as given), so a layer whose output comes out wider (an fp32 norm's weight under
+    autocast) does not widen the next generation."""
 
-    def __init__(self, folder: Path | None = None, device: torch.device | str | None = None, host: bool = False):
+    def __init__(self, folder: Path | None = None, device: torch.device | str | None = None, host: bool = False,
+                 dtype: torch.dtype | None = None):
         self.folder = Path(folder) if folder is not None else None
         self.device = torch.device(device) if device is not None else None
         self.host = host and self.folder is None and self.device is not None and self.device.type != "cpu"
+        self.dtype = dtype
         self._mem: dict[int, torch.Tensor] = {}
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -34,6 +38,8 @@ class ActivationStore:
         return self.folder / f"batch-{j:05d}.pt"
 
     def __setitem__(self, j: int, tensor: torch.Tensor) -> None:
+        if self.dtype is not None:
+            tensor = tensor.to(self.dtype)
         if self.folder is None:
             self._mem[j] = tensor.detach().to("cpu") if self.host else tensor
         else:
@@ -71,8 +77,8 @@ class ActivationStore:
 
     @classmethod
     def load_from(cls, folder: Path, batches, spill: Path | None, device: torch.device | str | None = None,
-                  host: bool = False) -> "ActivationStore":
-        store = cls(spill, device, host)
+                  host: bool = False, dtype: torch.dtype | None = None) -> "ActivationStore":
+        store = cls(spill, device, host, dtype)
         for j in batches:
             # Straight to where the store keeps it: host and spilled batches never pass through the device.
             where = "cpu" if store.folder is not None or store.host else store.device

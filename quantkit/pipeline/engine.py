@@ -38,6 +38,7 @@ from quantkit.models.experts import UnfusedExperts
 from quantkit.models.loader import ModelHandle, open_model
 from quantkit.models.source import resolve_model
 from quantkit.pipeline.activations import ActivationStore
+from quantkit.pipeline.grouped import WorkerThreads
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
 from quantkit.distributed import SINGLE, Ranks
 from quantkit.pipeline.journal import Journal
@@ -238,6 +239,7 @@ class LayerBatches:
     owned: list[int]
     error_batches: int
     ranks: Ranks = SINGLE
+    workers: WorkerThreads | None = None  # the one-pass schedule's batch threads, kept for the whole run
 
     @classmethod
     def local(cls, acts: ActivationStore, calls: Sequence, error_batches: int) -> "LayerBatches":
@@ -481,7 +483,7 @@ def _process_layer_one_pass(layer: nn.Module, ctx: LayerContext, stages: list[li
 
     ctx.kv_absmax.clear()  # the KV cache scales come from this pass: the layer as it will be served
     with torch.no_grad(), ctx.phase("grouped_pass"):
-        grouped.run(batches.owned, forward, on_done=done)
+        grouped.run(batches.owned, forward, on_done=done, workers=batches.workers)
     ctx.phases["grouped_apply"] = ctx.phases.get("grouped_apply", 0.0) + applying["seconds"]
     for h in hooks:
         h.remove()
@@ -1039,6 +1041,14 @@ class LayerRun:
     activations: str = "device"  # where the activations live (run_activation_placement; disk with a spill folder)
     kv_cache: str | None = None  # recipe quantization.kv_cache
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype the calibration activations are kept in: the one the layers compute in. Under bf16 autocast
+        that is bf16 (each matmul reads its input rounded to bf16 anyway, and the engines serving the checkpoint
+        carry a 16-bit residual stream), which halves the largest buffer of the run and lets the statistics run
+        bf16 matmuls."""
+        return torch.bfloat16 if self.autocast else self.compute_dtype
+
 
 def run_activation_placement(handle: ModelHandle, plans: list[LayerPlan], device: str, compute_dtype: torch.dtype,
                              tokens: int) -> str:
@@ -1080,18 +1090,19 @@ def _run_layers(run: LayerRun, calib: CalibrationSet, batch_size: int, start: in
         # On a GPU the activations stay on the device while they fit beside a layer, else in host memory
         # (each batch moved over when a layer runs it); a spill folder keeps them on disk. Either way a batch
         # leaves the device as soon as it is captured, so the capture never holds a whole generation there.
-        host = spill is None and run_activation_placement(handle, run.plans, run.device, run.compute_dtype,
+        host = spill is None and run_activation_placement(handle, run.plans, run.device, run.activation_dtype,
                                                           ids.numel()) == "host"
         off_device = (host or spill is not None) and torch.device(run.device).type != "cpu"
-        hidden, calls = capture_layer_inputs(handle, ids, batch_size, run.device, run.compute_dtype,
+        hidden, calls = capture_layer_inputs(handle, ids, batch_size, run.device, run.activation_dtype,
                                              hidden_device="cpu" if off_device else None)
         calls = dict(zip(owned, calls))
         if start == 0:
-            acts = ActivationStore(spill, run.device, host)
+            acts = ActivationStore(spill, run.device, host, run.activation_dtype)
             for j, h in zip(owned, hidden):
                 acts[j] = h
         else:
-            acts = ActivationStore.load_from(run.state_dir / f"gen-{start:05d}", owned, spill, run.device, host)
+            acts = ActivationStore.load_from(run.state_dir / f"gen-{start:05d}", owned, spill, run.device, host,
+                                             run.activation_dtype)
         run.activations = acts.placement
         del hidden
         release_freed_memory()
@@ -1099,7 +1110,8 @@ def _run_layers(run: LayerRun, calib: CalibrationSet, batch_size: int, start: in
         # per-layer gc.collect, which otherwise rescans it every layer (0.15 s each on SmolLM2).
         gc.freeze()
         try:
-            _layer_loop(run, progress, LayerBatches(acts, calls, owned, run.error_batches, ranks), start)
+            with WorkerThreads() as workers:
+                _layer_loop(run, progress, LayerBatches(acts, calls, owned, run.error_batches, ranks, workers), start)
         finally:
             gc.unfreeze()
 

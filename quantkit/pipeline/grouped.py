@@ -13,6 +13,7 @@ the result does not depend on thread timing.
 
 from __future__ import annotations
 
+import queue
 import threading
 from contextlib import ExitStack
 from typing import Callable
@@ -55,6 +56,56 @@ def probe_groups(targets: dict[str, nn.Module], forward: Callable[[], torch.Tens
     return out, groups
 
 
+class WorkerThreads:
+    """Long-lived threads that run a list of jobs concurrently, one thread per job, reused from layer to layer.
+
+    A thread's first forward pays one-time costs (its OpenMP team, oneDNN's per-thread state): measured on a
+    SmolLM2 layer, 0.048 s per batch on a fresh thread against 0.040 s on one that has run before, which a
+    thread per batch and layer pays every time. Use as a context manager; `close` ends the threads."""
+
+    def __init__(self) -> None:
+        self._inboxes: list[queue.SimpleQueue] = []
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> "WorkerThreads":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        # After an error (an interrupt included) a thread may still wait inside a job: it is a daemon, so it is
+        # told to stop and left to end, not joined.
+        self.close(join=exc_type is None)
+
+    def _serve(self, inbox: queue.SimpleQueue) -> None:
+        while (job := inbox.get()) is not None:
+            fn, done = job
+            try:
+                fn()  # jobs handle their own errors (GroupedPass hands them to the caller)
+            finally:
+                done.release()
+
+    def run_all(self, jobs: list[Callable[[], None]]) -> None:
+        """Run every job on its own thread, all at once; return when all have returned."""
+        while len(self._threads) < len(jobs):
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            t = threading.Thread(target=self._serve, args=(inbox,), name=f"quantkit-batch-{len(self._threads)}",
+                                 daemon=True)
+            t.start()
+            self._inboxes.append(inbox)
+            self._threads.append(t)
+        done = threading.Semaphore(0)
+        for inbox, fn in zip(self._inboxes, jobs):
+            inbox.put((fn, done))
+        for _ in jobs:
+            done.acquire()
+
+    def close(self, join: bool = True) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for t in self._threads if join else []:
+            t.join()
+        self._inboxes, self._threads = [], []
+
+
 class GroupedPass:
     """Runs `forward(j)` for every batch j, pausing all of them at the first linear of each group until every
     batch has passed its statistics, then calling `apply_group(names)` once and resuming."""
@@ -80,9 +131,11 @@ class GroupedPass:
 
         return hook
 
-    def run(self, batches: list[int], forward: Callable[[int], torch.Tensor], on_done=None) -> dict[int, torch.Tensor]:
+    def run(self, batches: list[int], forward: Callable[[int], torch.Tensor], on_done=None,
+            workers: WorkerThreads | None = None) -> dict[int, torch.Tensor]:
         """Every batch's output, or (with `on_done(j, output)`, called as each batch finishes, in batch order)
-        nothing: the caller takes each output as it comes."""
+        nothing: the caller takes each output as it comes. `workers`: the threads to run the batches on (a
+        run's, kept from layer to layer); by default threads of this call's own."""
         outputs: dict[int, torch.Tensor] = {}
         grad, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")
         autocast_dtype = torch.get_autocast_dtype("cpu")
@@ -122,12 +175,12 @@ class GroupedPass:
                 self._alive.remove(j)
                 self._handover(j)
 
-        threads = [threading.Thread(target=worker, args=(j,), name=f"quantkit-batch-{j}", daemon=True)
-                   for j in batches]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        jobs = [lambda j=j: worker(j) for j in batches]
+        if workers is not None:
+            workers.run_all(jobs)
+        else:
+            with WorkerThreads() as own:
+                own.run_all(jobs)
         if self._error is not None:
             raise self._error
         unapplied = [i for i in range(len(self.groups)) if i not in self._done]

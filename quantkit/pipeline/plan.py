@@ -158,7 +158,8 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
     hwm = HighWaterMark()
     rss_before = hwm.current()
     began = time.perf_counter()
-    hidden, calls = capture_layer_inputs(setup.handle, ids, setup.batch_size, device, compute_dtype)
+    # Activations in the dtype the layers compute in (LayerRun.activation_dtype): bf16 under autocast.
+    hidden, calls = capture_layer_inputs(setup.handle, ids, setup.batch_size, device, compute.dtype)
     capture = time.perf_counter() - began
     plan = setup.plans[0]
     element = hidden[0].element_size()
@@ -177,7 +178,7 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
         layer = setup.handle.materialize_layer(0, compute_dtype, device)
         materialize = time.perf_counter() - began
         ctx = layer_context(setup.handle, plan, layer, setup.scheme, setup.weight_dtype, compute_dtype, autocast)
-        acts = ActivationStore()
+        acts = ActivationStore(dtype=compute.dtype)
         for j, h in enumerate(hidden):
             acts[j] = h
         timings: dict = {}
@@ -237,7 +238,7 @@ def plan_run(opts: PlanOptions) -> dict:
     shard_bytes = sum(layout.sizes.values()) + (len(index_text.encode()) if index_text else 0)
     extras = _extras_bytes(setup.handle, setup.plans, setup.scheme, recipe, output, _actorder(setup.methods))
     output_bytes = shard_bytes + extras
-    act_dtype = torch.float32 if compute.autocast else compute.dtype
+    act_dtype = compute.dtype  # what the activations are kept in (bf16 under autocast too)
     generation = setup.activation_bytes(act_dtype)
     spill = opts.offload_dir is not None
     disk = check_disk_space(output, output_bytes, opts.offload_dir, opts.resume,

@@ -12,7 +12,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from quantkit.cli import app
-from quantkit.pipeline.grouped import GroupedPass, probe_groups
+from quantkit.pipeline.grouped import GroupedPass, WorkerThreads, probe_groups
 
 runner = CliRunner()
 
@@ -113,6 +113,42 @@ def test_a_failing_batch_stops_the_pass_with_its_error():
         grouped.run(list(range(4)), forward)
     for h in hooks:
         h.remove()
+
+
+def test_worker_threads_serve_pass_after_pass_even_after_a_failed_one():
+    """A run keeps one set of batch threads for all its layers: a pass on reused threads gives what a pass on
+    fresh ones gives, a failed pass leaves them usable, and more batches than threads grows the set."""
+    xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(j)) for j in range(6)]
+
+    def one_pass(batches, workers, fail_at=None):
+        m = Chain()
+        targets = _targets(m)
+        grouped = GroupedPass([["a", "b"], ["c"], ["d"]], lambda names: None)
+        hooks = [targets[g].register_forward_pre_hook(grouped.gate(i)) for i, g in enumerate(["a", "c", "d"])]
+
+        def forward(j):
+            if j == fail_at:
+                raise ValueError(f"batch {j} is broken")
+            return m(xs[j])
+
+        try:
+            with torch.no_grad():
+                return grouped.run(batches, forward, workers=workers)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    fresh = one_pass(list(range(4)), None)
+    with WorkerThreads() as workers:
+        first = one_pass(list(range(4)), workers)
+        with pytest.raises(ValueError, match="batch 1 is broken"):
+            one_pass(list(range(4)), workers, fail_at=1)
+        again = one_pass(list(range(4)), workers)
+        more = one_pass(list(range(6)), workers)
+        assert len(workers._threads) == 6
+    for j in range(4):
+        assert torch.equal(first[j], fresh[j]) and torch.equal(again[j], fresh[j]) and torch.equal(more[j], fresh[j])
+    assert sorted(more) == list(range(6))
 
 
 def test_one_pass_first_group_equals_two_pass(tmp_path, tiny_models, text_file):
