@@ -33,6 +33,12 @@ def _load() -> str:
         return "?"
 
 
+def _capability() -> str:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M)")
@@ -41,6 +47,10 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--heldout-samples", type=int, default=32)
+    ap.add_argument("--awq-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="quantkit AWQ option (recipe quantization.options.awq; YAML value), e.g. search=coarse-fine")
+    ap.add_argument("--skip-llmc", action="store_true", help="leave llm-compressor out (quantkit's rows only)")
+    ap.add_argument("--results", default=None, help="results file name (default awq_<scheme>_g<group>)")
     ap.add_argument("--reuse-llmc", action="store_true", help="reuse llm-compressor's checkpoint and timing from --work")
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "awq")
     args = ap.parse_args()
@@ -62,11 +72,23 @@ def main() -> None:
     common = ["--model", str(model), "--scheme", args.scheme, "--group-size", str(args.group_size), "--dataset", "kjv",
               "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--seed", "42", "--overwrite", "--json"]
     loads = {"before": _load()}
-    qk = run_measured([quantkit, "quantize", "--method", "awq", "--output", str(args.work / "quantkit"), *common])
+    recipe = []
+    if args.awq_option:
+        import yaml
+
+        text = yaml.safe_load((ROOT / "recipes" / "awq-w4a16.yaml").read_text())
+        text["quantization"]["options"]["awq"].update(
+            {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.awq_option)})
+        (args.work / "recipe.yaml").write_text(yaml.safe_dump(text))
+        recipe = ["--recipe", str(args.work / "recipe.yaml")]
+    qk = run_measured([quantkit, "quantize", *recipe, "--method", "awq", "--output", str(args.work / "quantkit"),
+                       *common])
     loads["after_quantkit"] = _load()
     rtn = run_measured([quantkit, "quantize", "--method", "rtn", "--output", str(args.work / "quantkit-rtn"), *common])
     llmc_json = args.work / "llmc_result.json"
-    if args.reuse_llmc and llmc_json.exists():
+    if args.skip_llmc:
+        llmc = None
+    elif args.reuse_llmc and llmc_json.exists():
         llmc = json.loads(llmc_json.read_text())
     else:
         llmc = run_measured([str(LLMC_PYTHON), str(ROOT / "benchmarks" / "llmc_runner.py"), "--model", str(model),
@@ -77,6 +99,20 @@ def main() -> None:
     loads["after_llmc"] = _load()
     kl_qk = {k: kl_plain(model, args.work / "quantkit", f) for k, f in evals.items()}
     kl_rtn = {k: kl_plain(model, args.work / "quantkit-rtn", f) for k, f in evals.items()}
+    if llmc is None:
+        md = [f"# AWQ {args.scheme} g{args.group_size}, quantkit only (options: {', '.join(args.awq_option) or 'defaults'})",
+              "", f"1-min load average: {loads}; torch CPU capability {_capability()}", "",
+              "| run | wall (s) | peak RSS (MB) | KL kjv held-out | KL pydoc |", "|---|---|---|---|---|"]
+        for name, run, kl in (("quantkit awq", qk, kl_qk), ("quantkit rtn", rtn, kl_rtn)):
+            md.append(f"| {name} | {run['wall_s']:.1f} | {run['peak_rss_bytes'] / 1e6:.0f} | "
+                      f"{kl[HELDOUT_KJV]['kl_mean']:.4f} | {kl[HELDOUT_PYDOC]['kl_mean']:.4f} |")
+        phases = json.loads(qk["stdout"]).get("phase_seconds", {})
+        md += ["", "quantkit awq seconds per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items())]
+        write_results(args.results or f"awq_{args.scheme.lower()}_g{args.group_size}_quantkit",
+                      {"options": args.awq_option, "load": loads, "phases": phases,
+                       "quantkit": {**qk, "stdout": None, "stderr": None, "kl": kl_qk},
+                       "quantkit_rtn": {**rtn, "stdout": None, "stderr": None, "kl": kl_rtn}}, "\n".join(md) + "\n")
+        return
     kl_llmc = {k: kl_plain(model, args.work / "llmcompressor", f) for k, f in evals.items()}
 
     rows = comparison_rows(qk, llmc, kl_qk, kl_llmc)
@@ -89,8 +125,11 @@ def main() -> None:
     md += [f"| {name} | {a:.4f} | {b:.4f} | {ratio(a, b)} |" for name, a, b in rows]
     md += ["", f"quantkit RTN (same scheme): KL {kl_rtn[HELDOUT_KJV]['kl_mean']:.4f} (KJV) / "
                f"{kl_rtn[HELDOUT_PYDOC]['kl_mean']:.4f} (pydoc), wall {rtn['wall_s']:.1f} s."]
-    write_results(f"awq_{args.scheme.lower()}_g{args.group_size}",
-                  {"quantkit": {**qk, "stdout": None, "stderr": None, "kl": kl_qk},
+    phases = json.loads(qk["stdout"]).get("phase_seconds", {})
+    md += ["", "quantkit awq seconds per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
+           + f"; options: {', '.join(args.awq_option) or 'defaults'}; torch CPU capability {_capability()}"]
+    write_results(args.results or f"awq_{args.scheme.lower()}_g{args.group_size}",
+                  {"options": args.awq_option, "phases": phases, "quantkit": {**qk, "stdout": None, "stderr": None, "kl": kl_qk},
                    "quantkit_rtn": {**rtn, "stdout": None, "stderr": None, "kl": kl_rtn},
                    "llmcompressor": {**llmc, "stdout": None, "stderr": None, "kl": kl_llmc}, "load": loads},
                   "\n".join(md) + "\n")

@@ -44,6 +44,8 @@ Options (recipe `quantization.options.awq`):
   clip_grid, clip_max_shrink   shrink grid (default 20, 0.5: p = 1 - k/20 for k < 10)
   clip_skip      regexes of layer-local names excluded from the clip search (default q/k projections)
   derive         derive norm -> linears mappings the adapter lacks (default true)
+  search         "grid" (default: every ratio of the grid) or "coarse-fine" (every coarse_step-th ratio, default 2,
+                 then the grid between the best one's neighbours; see search_grid)
 """
 
 from __future__ import annotations
@@ -59,10 +61,12 @@ from torch import nn
 from quantkit.errors import InputError
 from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
 from quantkit.quant import QuantArgs, compute_qparams, fake_quantize, group_view, quantize_weight
+from quantkit.quant.hessian import accumulate_hessian, complete_hessian
 from quantkit.quant.integer import SEARCH_CHUNK, round_to_dtype
 from quantkit.quant.smoothing import (ResolvedSmoothing, expand_gqa, fold_into_norm, resolve_mappings, scale_columns,
                                       scale_rows)
 
+SEARCHES = ("grid", "coarse-fine")
 CLIP_SKIP = (r"(.*\.)?(q_proj|k_proj|q_a_proj|q_b_proj|query|key|Wqkv|qkv_proj)",)
 
 
@@ -77,8 +81,14 @@ class AWQConfig:
     clip_max_shrink: float = 0.5
     clip_skip: tuple[str, ...] = CLIP_SKIP
     derive: bool = True
+    search: str = "grid"
+    coarse_step: int = 2
 
     def __post_init__(self) -> None:
+        if self.search not in SEARCHES:
+            raise InputError(f"awq search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
+        if self.coarse_step < 1:
+            raise InputError("awq coarse_step must be positive")
         if self.n_grid < 1 or self.clip_grid < 1:
             raise InputError("awq n_grid and clip_grid must be positive")
         if self.loss not in ("block", "linear"):
@@ -140,6 +150,28 @@ def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, n_grid: 
         if torch.isfinite(s).all():
             out.append((a, s))
     return out
+
+
+def search_grid(candidates: list[tuple[float, torch.Tensor]], loss_at, how: str, losses: dict[int, float],
+                step: int = 2) -> None:
+    """Fill `losses` (candidate index -> loss) with the candidates the search evaluates. "grid": every one.
+    "coarse-fine": the unscaled candidate and every `step`-th ratio, then every ratio between the best coarse one's
+    neighbours: the grid's own minimum whenever the loss falls and then rises along the ratios (13 evaluations
+    instead of 21 at AutoAWQ's grid of 20 with step 2)."""
+    ratios = [i for i, (a, _) in enumerate(candidates) if a >= 0]
+    unscaled = [i for i, (a, _) in enumerate(candidates) if a < 0]
+    first = unscaled + (ratios if how == "grid" else ratios[::step])
+    for i in first:
+        losses[i] = loss_at(i)
+    if how == "grid" or not ratios:
+        return
+    best = min((i for i in ratios if i in losses and math.isfinite(losses[i])), key=lambda i: losses[i], default=None)
+    if best is None:
+        return
+    at = ratios.index(best)
+    for i in ratios[max(0, at - step + 1) : at + step]:
+        if i not in losses:
+            losses[i] = loss_at(i)
 
 
 def hessian_loss(weight: torch.Tensor, approx: torch.Tensor, h: torch.Tensor) -> float:
@@ -215,21 +247,26 @@ class _InputStats:
     bad_batches: int = 0
     source: str | None = None  # the norm-like module whose output this is (derived mappings)
 
-    def add(self, x: torch.Tensor, with_h: bool) -> None:
+    def add(self, x: torch.Tensor, with_h: bool, matmul_dtype: torch.dtype = torch.float32) -> None:
         x2 = x.detach().reshape(-1, x.shape[-1])
         # Per-batch terms in float32, their sums in float64: exact, however the batches are split over ranks.
         a = x2.abs().sum(0, dtype=torch.float32).double()
-        if with_h:
-            xm = x2 if x2.dtype in (torch.bfloat16, torch.float16, torch.float32) else x2.float()
-            xtx = (xm.t() @ xm).double()
-        # Any inf/NaN input reaches the column sums; a finite diagonal bounds every entry of x^T x.
-        if not torch.isfinite(a).all() or (with_h and not torch.isfinite(xtx.diagonal()).all()):
+        # Any inf/NaN input reaches the column sums (accumulate_hessian checks its own product too).
+        if not torch.isfinite(a).all():
             self.bad_batches += 1
             return
-        self.abs_sum = a if self.abs_sum is None else self.abs_sum + a
         if with_h:
-            self.h = xtx if self.h is None else self.h.add_(xtx)
+            if self.h is None:
+                self.h = torch.zeros(x2.shape[-1], x2.shape[-1], dtype=torch.float64, device=x2.device)
+            if not accumulate_hessian(self.h, x2, matmul_dtype):
+                self.bad_batches += 1
+                return
+        self.abs_sum = a if self.abs_sum is None else self.abs_sum + a
         self.tokens += x2.shape[0]
+
+    def mean_hessian(self) -> torch.Tensor:
+        """H / tokens in fp32, the sum made whole first (accumulate_hessian sums only its upper blocks)."""
+        return (complete_hessian(self.h) / max(self.tokens, 1)).float()
 
     def mean_abs(self) -> torch.Tensor | None:
         return None if self.abs_sum is None or not self.tokens else (self.abs_sum / self.tokens).float()
@@ -309,6 +346,9 @@ class AWQ(Method):
         return name if name and name in modules else None
 
     def _input_hook(self, ctx: LayerContext, name: str):
+        # bf16 products where the layer's matmuls read bf16 (as GPTQ's statistics); fp32 otherwise.
+        mm_dtype = torch.bfloat16 if ctx.matmul_dtype == torch.bfloat16 else torch.float32
+
         def hook(module, args):
             x = args[0]
             if self._shared.see(name, x) != name:
@@ -317,7 +357,7 @@ class AWQ(Method):
                 if name not in self._stats:
                     src = next((n for t, n in self._norm_outputs if t is x), None)
                     self._stats[name] = _InputStats(source=src)
-                self._stats[name].add(x, with_h=True)
+                self._stats[name].add(x, with_h=True, matmul_dtype=mm_dtype)
 
         return hook
 
@@ -451,13 +491,15 @@ class AWQ(Method):
             return expand_gqa(s, n_in, m.head_dim) if m.head_dim else s
 
         candidates = candidate_scales(x_mean, w_mean, cfg.n_grid)
-        losses = []
+        losses: dict[int, float] = {}
         if mp.parent is not None and mp.samples:
             block = modules[mp.parent]
             saved = {t: modules[t].weight.data.clone() for t in quantised}
             with torch.no_grad():
                 refs = [_first(block(*a, **k)) for a, k in mp.samples]
-                for _, s in candidates:
+
+                def loss_at(i: int) -> float:
+                    s = candidates[i][1]
                     with elementwise_threads(work[quantised[0]].device):
                         for t in quantised:
                             scaled_fake_quant(work[t], cols_for(s, t), ctx.scheme_for(t).weights, dtype,
@@ -466,23 +508,27 @@ class AWQ(Method):
                     with elementwise_threads(work[quantised[0]].device):
                         loss = sum(float(torch.linalg.vector_norm(o - r, dtype=torch.float32) ** 2) / o.numel()
                                    for o, r in zip(outs, refs))
-                    losses.append(loss / len(refs))
+                    return loss / len(refs)
+
+                search_grid(candidates, loss_at, cfg.search, losses, cfg.coarse_step)
                 for t in quantised:
                     modules[t].weight.data.copy_(saved[t])
         else:
-            h = (st.h / max(st.tokens, 1)).float()
+            h = st.mean_hessian()
             if leader in rescale:
                 r = rescale[leader]
                 h = h / (r[:, None] * r[None, :])
             if ctx.matmul_dtype == torch.bfloat16:
                 h = h.to(torch.bfloat16)
+
+            def loss_at(i: int) -> float:
+                s = candidates[i][1]
+                return sum(hessian_loss(work[t], scaled_fake_quant(work[t], cols_for(s, t), ctx.scheme_for(t).weights,
+                                                                   dtype), h) for t in quantised)
+
             with elementwise_threads(h.device):
-                for _, s in candidates:
-                    loss = 0.0
-                    for t in quantised:
-                        loss += hessian_loss(work[t], scaled_fake_quant(work[t], cols_for(s, t), ctx.scheme_for(t).weights, dtype), h)
-                    losses.append(loss)
-        finite = [i for i, v in enumerate(losses) if math.isfinite(v)]
+                search_grid(candidates, loss_at, cfg.search, losses, cfg.coarse_step)
+        finite = sorted(i for i, v in losses.items() if math.isfinite(v))  # ties: the lowest index, as before
         if not finite:
             ctx.warn(quantised[0], f"awq: scale search for {m.source} gave no finite loss; not scaled")
             return
@@ -540,7 +586,7 @@ class AWQ(Method):
         st = self._stats.get(leader)
         h = None
         if st is not None and st.h is not None and st.tokens:
-            h = (st.h / st.tokens).float()
+            h = st.mean_hessian()
             r = rescale.get(leader)
             if r is not None:
                 h = h / (r[:, None] * r[None, :])

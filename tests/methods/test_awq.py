@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from quantkit.methods import build_methods
-from quantkit.methods.awq import AWQ, AWQConfig, candidate_scales, clip_search
+from quantkit.methods.awq import AWQ, AWQConfig, candidate_scales, clip_search, search_grid
 from quantkit.methods.base import LayerContext
 from quantkit.methods.rtn import RTN
 from quantkit.models.adapters import Adapter
@@ -157,6 +157,29 @@ def test_candidate_scales_grid():
         expected = x.pow(a) / (w.pow(1 - a) + 1e-4)
         expected = expected / (expected.max() * expected.min()).sqrt()
         torch.testing.assert_close(s, expected)
+
+
+@pytest.mark.parametrize("step,most", [(2, 13), (4, 12), (1, 21)])
+def test_coarse_fine_search_finds_the_grid_minimum_of_any_valley(step, most):
+    cands = candidate_scales(torch.rand(8) + 0.1, torch.rand(8) + 0.1, 20)
+    ratios = [a for a, _ in cands]
+    for centre in [k / 20 for k in range(20)] + [0.37, 2.0, -1.0]:  # every grid point, between points, at the edges
+        for unscaled_loss in (0.0, 5.0):  # the unscaled candidate best or not
+            calls: list[int] = []
+
+            def loss_at(i: int) -> float:
+                calls.append(i)
+                return unscaled_loss if ratios[i] < 0 else (ratios[i] - centre) ** 2 + 0.1
+
+            grid: dict[int, float] = {}
+            search_grid(cands, loss_at, "grid", grid)
+            assert len(calls) == len(grid) == 21
+            calls.clear()
+            fast: dict[int, float] = {}
+            search_grid(cands, loss_at, "coarse-fine", fast, step)
+            assert len(calls) == len(fast) <= most
+            expected = min(sorted(grid), key=lambda i: grid[i])
+            assert min(sorted(fast), key=lambda i: fast[i]) == expected and fast[expected] == grid[expected]
 
 
 @pytest.mark.parametrize("family,scheme", [("llama", "W4A16"), ("llama", "W4A16_ASYM"), ("qwen2_moe", "W4A16"),
