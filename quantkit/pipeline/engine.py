@@ -1045,8 +1045,7 @@ class LayerRun:
     def activation_dtype(self) -> torch.dtype:
         """The dtype the calibration activations are kept in: the one the layers compute in. Under bf16 autocast
         that is bf16 (each matmul reads its input rounded to bf16 anyway, and the engines serving the checkpoint
-        carry a 16-bit residual stream), which halves the largest buffer of the run and lets the statistics run
-        bf16 matmuls."""
+        carry a 16-bit residual stream), which halves the largest buffer of the run."""
         return torch.bfloat16 if self.autocast else self.compute_dtype
 
 
