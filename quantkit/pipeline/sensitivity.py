@@ -102,6 +102,7 @@ def _input_stats(layer, modules: dict, wanted: dict, hidden: list, calls: list, 
     if kind is None:
         return {}
     from quantkit.methods.base import PreviewStats
+    from quantkit.quant.hessian import accumulate_hessian, complete_hessian
 
     sums: dict[str, list] = {}
 
@@ -111,9 +112,10 @@ def _input_stats(layer, modules: dict, wanted: dict, hidden: list, calls: list, 
             acc = sums.setdefault(local, [0, torch.zeros(x.shape[-1], dtype=torch.float64, device=x.device), None])
             acc[0] += x.shape[0]
             acc[1] += x.pow(2).sum(0).double()
-            if kind == "hessian":
-                xtx = (x.T @ x).double()
-                acc[2] = xtx if acc[2] is None else acc[2] + xtx
+            if kind == "hessian":  # summed as the run's GPTQ sums it, so a preview solves the run's problem
+                if acc[2] is None:
+                    acc[2] = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float64, device=x.device)
+                accumulate_hessian(acc[2], x)
         return fn
 
     handles = [modules[local].register_forward_pre_hook(hook(local)) for local in wanted]
@@ -124,7 +126,8 @@ def _input_stats(layer, modules: dict, wanted: dict, hidden: list, calls: list, 
     finally:
         for hd in handles:
             hd.remove()
-    return {local: PreviewStats(n, (sq / max(n, 1)).float(), None if xtx is None else (xtx * (2.0 / max(n, 1))).float())
+    return {local: PreviewStats(n, (sq / max(n, 1)).float(),
+                                None if xtx is None else (complete_hessian(xtx) * (2.0 / max(n, 1))).float())
             for local, (n, sq, xtx) in sums.items()}
 
 
