@@ -215,7 +215,7 @@ void dequant_row(const Layout& L, int64_t n, float* out) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Integer-dot GEMV for 4-bit weights (M <= 16 rows of x), on a tiled copy of the nibbles made once at load.
+// Integer-dot GEMV for 4- and 8-bit weights (M <= 16 rows of x), on a tiled copy of the codes made once at load.
 //
 // Decode is memory-bound only if the arithmetic keeps up with the bytes; decoding nibbles to fp32 and
 // FMA-ing them does not. Here x is quantised per block of 64 or 128 columns into 16-bit fixed point,
@@ -226,18 +226,21 @@ void dequant_row(const Layout& L, int64_t n, float* out) {
 // offset (8 + zero point) is removed per block through the block sums of x.
 //
 // Tiles: 16 output rows each, streamed as one sequential run of bytes (several row-wise streams per core
-// were latency-bound at half the bandwidth a single stream gets). Per 8-column step s, a tile holds 64
+// were latency-bound at half the bandwidth a single stream gets). Per 8-column step s, a 4-bit tile holds 64
 // bytes: 4 per row j, the low nibble of byte t being u[j, 8s + t] and the high nibble u[j, 8s + 4 + t], so a
-// 32-bit lane is one row's 4 consecutive columns and x's 4 matching bytes are broadcast to every lane.
+// 32-bit lane is one row's 4 consecutive columns and x's 4 matching bytes are broadcast to every lane. An 8-bit
+// tile holds 4 columns per 64-byte step (byte 4j + t: u[j, 4s + t], u = q + 128), the same lanes.
 // Scales come per tile and group as 16 consecutive fp32 values, so per-block scaling is one vector op.
 
 constexpr int TILE = 16;
 
 struct DotArgs {
-  const uint8_t* tiles;           // [tiles, K / 8, 64]
+  const uint8_t* tiles;           // [tiles, K * bits / 32, 64]
   const float* scale;             // [tiles, n_groups, 16]
-  const float* zscale;            // [tiles, n_groups, 16]: scale * (8 + zp); nullptr when symmetric (8 * scale)
+  const float* zscale;            // [tiles, n_groups, 16]: scale * (offset + zp); nullptr when symmetric
   int64_t K, N, n_groups, block, n_blocks;
+  int64_t bits;                   // 4: 8 columns per 64-byte step; 8: 4 columns (byte 4j + t: u[j, 4s + t])
+  float offset;                   // what the stored unsigned values carry: 8 (4-bit) or 128 (8-bit)
   const int64_t* group_of_block;  // [n_blocks]
   const int8_t* xq;               // [M, 2K]: hi of every column, then lo
   const float* xc;                // [M, n_blocks]: c = absmax / (127 * 256)
@@ -278,11 +281,18 @@ inline int nibble(const uint8_t* step, int j, int64_t col) {  // col in 0..7 of 
   return col < 4 ? (byte & 15) : (byte >> 4);
 }
 
+inline int64_t step_bytes(const DotArgs& A) { return A.K * A.bits / 32 * 64; }  // one tile's bytes
+
+// The stored unsigned value of row j, column k of a tile.
+inline int tile_value(const DotArgs& A, const uint8_t* w, int j, int64_t k) {
+  return A.bits == 4 ? nibble(w + (k / 8) * 64, j, k % 8) : w[(k / 4) * 64 + 4 * j + (k % 4)];
+}
+
 inline int64_t valid_rows(const DotArgs& A, int64_t t) { return std::min<int64_t>(TILE, A.N - t * TILE); }
 
 template <int MB>
 void dot_tile_scalar(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
-  const uint8_t* w = A.tiles + t * (A.K / 8) * 64;
+  const uint8_t* w = A.tiles + t * step_bytes(A);
   for (int j = 0; j < valid_rows(A, t); ++j) {
     for (int m = 0; m < MB; ++m) {
       const int8_t* xh = A.xq + (m0 + m) * 2 * A.K;
@@ -291,12 +301,12 @@ void dot_tile_scalar(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t 
         const int64_t k0 = b * A.block, g = A.group_of_block[b];
         int64_t hi = 0, lo = 0;
         for (int64_t k = k0; k < k0 + block_width(A, b); ++k) {
-          const int u = nibble(w + (k / 8) * 64, j, k % 8);
+          const int u = tile_value(A, w, j, k);
           hi += u * xh[k];
           lo += u * xh[A.K + k];
         }
         const float s = A.scale[(t * A.n_groups + g) * TILE + j];
-        const float sz = A.zscale ? A.zscale[(t * A.n_groups + g) * TILE + j] : 8.0f * s;
+        const float sz = A.zscale ? A.zscale[(t * A.n_groups + g) * TILE + j] : A.offset * s;
         total += double(s) * A.xc[(m0 + m) * A.n_blocks + b] * double(256 * hi + lo) -
                  double(sz) * A.xcs[(m0 + m) * A.n_blocks + b];
       }
@@ -373,7 +383,7 @@ void dot_tile_avx2(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ld
 template <int MB>
 QK_VNNI_TARGET void dot_tile_vnni(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
   constexpr int C = MB <= 2 ? 2 : 1;
-  const uint8_t* w = A.tiles + t * (A.K / 8) * 64;
+  const uint8_t* w = A.tiles + t * step_bytes(A);
   const __m512i nib = _mm512_set1_epi8(15);
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
@@ -412,6 +422,48 @@ QK_VNNI_TARGET void dot_tile_vnni(const DotArgs& A, int64_t t, int64_t m0, float
   for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * ldy + t * TILE, mask, acc[m]);
 }
 
+// The 8-bit tiles: one 64-byte step is 4 columns of 16 rows, the stored bytes q + 128 (u8), so one dpbusd per
+// half of x (hi, lo) covers the step; the 128 + zp offset is removed per block as above. Overflow: a 128-column
+// block sums at most 128 * 255 * 128 per half, and hi * 256 + lo stays below 2^31.
+template <int MB>
+QK_VNNI_TARGET void dot8_tile_vnni(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
+  constexpr int C = MB <= 2 ? 2 : 1;
+  const uint8_t* w = A.tiles + t * step_bytes(A);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < A.n_blocks; ++b) {
+    const int64_t k0 = b * A.block, k1 = k0 + block_width(A, b), g = A.group_of_block[b];
+    __m512i dh[MB][C], dl[MB][C];
+    for (int m = 0; m < MB; ++m)
+      for (int c = 0; c < C; ++c) dh[m][c] = dl[m][c] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k1; k += 4 * C) {
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* step = w + (k / 4 + c) * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(step + 2048), _MM_HINT_T0);
+        const __m512i u = _mm512_loadu_si512(step);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xh = A.xq + (m0 + m) * 2 * A.K + k + 4 * c;
+          dh[m][c] = _mm512_dpbusd_epi32(dh[m][c], u, _mm512_set1_epi32(load4(xh)));
+          dl[m][c] = _mm512_dpbusd_epi32(dl[m][c], u, _mm512_set1_epi32(load4(xh + A.K)));
+        }
+      }
+    }
+    const __m512 sv = _mm512_loadu_ps(A.scale + (t * A.n_groups + g) * TILE);
+    const __m512 zv = A.zscale ? _mm512_loadu_ps(A.zscale + (t * A.n_groups + g) * TILE)
+                               : _mm512_mul_ps(sv, _mm512_set1_ps(A.offset));
+    for (int m = 0; m < MB; ++m) {
+      __m512i hi = dh[m][0], lo = dl[m][0];
+      if (C == 2) hi = _mm512_add_epi32(hi, dh[m][C - 1]), lo = _mm512_add_epi32(lo, dl[m][C - 1]);
+      const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
+      const float c = A.xc[(m0 + m) * A.n_blocks + b], cs = A.xcs[(m0 + m) * A.n_blocks + b];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv, _mm512_set1_ps(c)), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(zv, _mm512_set1_ps(cs), acc[m]);
+    }
+  }
+  const __mmask16 mask = __mmask16((1u << valid_rows(A, t)) - 1u);
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * ldy + t * TILE, mask, acc[m]);
+}
+
 bool cpu_has_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -429,10 +481,14 @@ void dot_tiles(const DotArgs& A, int64_t isa, int64_t m0, float* y, int64_t ldy)
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
 #ifdef QK_X86
-      if (isa == VNNI512) { dot_tile_vnni<MB>(A, t, m0, y, ldy); continue; }
+      if (isa == VNNI512) {
+        if (A.bits == 4) dot_tile_vnni<MB>(A, t, m0, y, ldy);
+        else dot8_tile_vnni<MB>(A, t, m0, y, ldy);
+        continue;
+      }
 #endif
 #ifdef QK_AVX2
-      if (isa == AVX2) { dot_tile_avx2<MB>(A, t, m0, y, ldy); continue; }
+      if (isa == AVX2 && A.bits == 4) { dot_tile_avx2<MB>(A, t, m0, y, ldy); continue; }
 #endif
       dot_tile_scalar<MB>(A, t, m0, y, ldy);
     }
@@ -441,16 +497,20 @@ void dot_tiles(const DotArgs& A, int64_t isa, int64_t m0, float* y, int64_t ldy)
 
 // The 16 dense fp32 rows of tile t (padded rows included), for batches past the GEMV range.
 void tile_rows(const DotArgs& A, int64_t t, float* out /* [16, K] */) {
-  const uint8_t* w = A.tiles + t * (A.K / 8) * 64;
+  const uint8_t* w = A.tiles + t * step_bytes(A);
   for (int64_t b = 0; b < A.n_blocks; ++b) {
     const int64_t k0 = b * A.block, k1 = k0 + block_width(A, b), g = A.group_of_block[b];
     const float* st = A.scale + (t * A.n_groups + g) * TILE;
     const float* zt = A.zscale ? A.zscale + (t * A.n_groups + g) * TILE : nullptr;
     for (int j = 0; j < TILE; ++j) {
-      // (u - (8 + zp)) * s, one rounding: 8 + zp (an integer 0..15) recovered from zscale = s * (8 + zp).
-      const float s = st[j], off = zt ? (s != 0.0f ? std::nearbyint(zt[j] / s) : 0.0f) : 8.0f;
+      // (u - (offset + zp)) * s, one rounding: offset + zp (an integer) recovered from zscale = s * (offset + zp).
+      const float s = st[j], off = zt ? (s != 0.0f ? std::nearbyint(zt[j] / s) : 0.0f) : A.offset;
       float* o = out + j * A.K;
       int64_t k = k0;
+      if (A.bits == 8) {
+        for (; k < k1; ++k) o[k] = (float(w[(k / 4) * 64 + 4 * j + (k % 4)]) - off) * s;
+        continue;
+      }
 #ifdef QK_AVX2
       // Bytes c = 0..3 of the row's word: columns c (low nibble) and 4 + c (high).
       const __m256i shifts = _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28);
@@ -503,12 +563,13 @@ at::Tensor tile_u4(const at::Tensor& packed, int64_t K) {
 // The dot kernel's weight, checked: tiles uint8 [ceil(N / 16), K / 8, 64]; scale (and zscale, or empty) fp32
 // [tiles, n_groups, 16]; K % 64 == 0, group a multiple of 64 or K. `group_of_block` receives the blocks' groups.
 DotArgs dot_args(const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& zscale, int64_t N, int64_t K,
-                 int64_t group, std::vector<int64_t>& group_of_block) {
+                 int64_t group, int64_t bits, std::vector<int64_t>& group_of_block) {
   const int64_t n_tiles = (N + TILE - 1) / TILE;
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   TORCH_CHECK(K % 64 == 0 && K > 0, "K must be a positive multiple of 64, got ", K);
   TORCH_CHECK(group == K || (group % 64 == 0 && group > 0), "group must be a multiple of 64 or K, got ", group);
-  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.numel() == n_tiles * (K / 8) * 64,
-              "tiles must be uint8 [", n_tiles, ", ", K / 8, ", 64]");
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.numel() == n_tiles * (K * bits / 32) * 64,
+              "tiles must be uint8 [", n_tiles, ", ", K * bits / 32, ", 64]");
   const int64_t n_groups = (K + group - 1) / group;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_tiles * n_groups * TILE,
               "scale must be fp32 [tiles, groups, 16]");
@@ -519,20 +580,21 @@ DotArgs dot_args(const at::Tensor& tiles, const at::Tensor& scale, const at::Ten
   group_of_block.resize(n_blocks);
   for (int64_t b = 0; b < n_blocks; ++b) group_of_block[b] = (b * block) / group;
   return DotArgs{tiles.data_ptr<uint8_t>(), scale.data_ptr<float>(), has_z ? zscale.data_ptr<float>() : nullptr,
-                 K, N, n_groups, block, n_blocks, group_of_block.data(), nullptr, nullptr, nullptr};
+                 K, N, n_groups, block, n_blocks, bits, bits == 4 ? 8.0f : 128.0f, group_of_block.data(),
+                 nullptr, nullptr, nullptr};
 }
 
 // The integer-dot GEMV on the tiles made by quantkit.runtime.kernels.cpp (see dot_args): x [M, K] fp32, bf16 or
 // fp16 with M <= gemv_max_rows (past it the caller dequantises with dot_weight for the BLAS). isa: 0 scalar,
 // 1 AVX2, 2 AVX512-VNNI (downgraded to what this CPU and build have). Returns fp32 [M, N].
 at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& zscale,
-                      int64_t N, int64_t group, int64_t isa, int64_t gemv_max_rows) {
+                      int64_t N, int64_t group, int64_t bits, int64_t isa, int64_t gemv_max_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
               x.scalar_type() == at::kHalf), "x must be contiguous [M, K] fp32/bf16/fp16");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(M <= gemv_max_rows, "dot_linear serves up to ", gemv_max_rows, " rows; dequantise with dot_weight past it");
   std::vector<int64_t> group_of_block;
-  DotArgs A = dot_args(tiles, scale, zscale, N, K, group, group_of_block);
+  DotArgs A = dot_args(tiles, scale, zscale, N, K, group, bits, group_of_block);
   const int64_t block = A.block, n_blocks = A.n_blocks;
   at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor xq = at::empty({M, 2 * K}, xf.options().dtype(at::kChar));
@@ -547,6 +609,7 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Te
 #ifndef QK_AVX2
   if (isa == AVX2) isa = SCALAR;
 #endif
+  if (bits == 8 && isa == AVX2) isa = SCALAR;  // 8-bit tiles have no AVX2 path (pmaddubsw would saturate)
   at::Tensor y = at::empty({M, N}, xf.options());
   float* yp = y.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
@@ -674,16 +737,203 @@ void dq_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Tenso
 
 // dot_linear's weight (tiles, scale, zscale as there) dequantised into out [N, K].
 void dot_weight(const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& zscale, int64_t group,
-                at::Tensor out) {
+                int64_t bits, at::Tensor out) {
   const int64_t N = out.size(0), K = out.size(1), n_tiles = (N + TILE - 1) / TILE;
   check_dense_out(out, N, K);
   std::vector<int64_t> group_of_block;
-  const DotArgs A = dot_args(tiles, scale, zscale, N, K, group, group_of_block);
+  const DotArgs A = dot_args(tiles, scale, zscale, N, K, group, bits, group_of_block);
   at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> rows(TILE * K);
     for (int64_t t = t0; t < t1; ++t) {
       tile_rows(A, t, rows.data());
       const int64_t keep = std::min<int64_t>(TILE, N - t * TILE);  // padded rows of the last tile are dropped
+      store_row(rows.data(), keep * K, out, t * TILE * K);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// FP8 (e4m3) GEMV on bf16 activations (M <= 16 rows), on a tiled copy of the weight bytes made once at load.
+//
+// Every e4m3 value is exactly a bf16 (3 mantissa bits, exponents 2^-9..2^8), and a bf16 x bf16 product is exact in
+// fp32, so AVX512-BF16's vdpbf16ps (two products and the fp32 sum per lane, 32 multiply-adds per instruction)
+// computes the reference's products; only the fp32 summation order differs. The bytes are widened to 16 bits and
+// mapped to bf16 by a 128-entry table of magnitudes (two vpermi2w over 64 entries each, blended on bit 6), the
+// sign OR-ed in. vdpbf16ps treats bf16 subnormal inputs as zero: no e4m3 value is one, and an activation below
+// 2^-126 contributes nothing measurable.
+//
+// Tiles: 16 output rows, one sequential run of bytes; per 2-column step 32 bytes, byte 2j + t holding row j's
+// column 2s + t, so a 32-bit lane is one row's column pair and x's matching pair is broadcast to every lane.
+// Scales per tile and group (channel: one group of K; FP8 block: groups of the block width) as 16 fp32 values.
+
+struct Fp8Args {
+  const uint8_t* tiles;  // [tiles, K / 2, 32]
+  const float* scale;    // [tiles, n_groups, 16]
+  int64_t K, N, n_groups, group;
+  const uint16_t* x;     // bf16 bits [M, K]
+};
+
+inline float bf16_value(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline int64_t fp8_tile_bytes(const Fp8Args& A) { return A.K / 2 * 32; }
+
+template <int MB>
+void fp8_tile_scalar(const Fp8Args& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
+  const uint8_t* w = A.tiles + t * fp8_tile_bytes(A);
+  const int64_t rows = std::min<int64_t>(TILE, A.N - t * TILE);
+  for (int j = 0; j < rows; ++j)
+    for (int m = 0; m < MB; ++m) {
+      const uint16_t* xr = A.x + (m0 + m) * A.K;
+      double total = 0.0;
+      for (int64_t g = 0; g < A.n_groups; ++g) {
+        double part = 0.0;
+        for (int64_t k = g * A.group; k < std::min(A.K, (g + 1) * A.group); ++k)
+          part += double(e4m3_table[w[(k / 2) * 32 + 2 * j + (k % 2)]]) * double(bf16_value(xr[k]));
+        total += part * double(A.scale[(t * A.n_groups + g) * TILE + j]);
+      }
+      y[(m0 + m) * ldy + t * TILE + j] = float(total);
+    }
+}
+
+#ifdef QK_X86
+#define QK_BF16_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// bf16 bits of the e4m3 magnitudes 0..127 as four 32-entry tables.
+alignas(64) uint16_t e4m3_bf16[128];
+
+// Column-pair steps in flight per x row: one vdpbf16ps chain per step (its latency, not its throughput, bounds a
+// one-row GEMV).
+template <int MB>
+QK_BF16_TARGET void fp8_tile_bf16(const Fp8Args& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
+  constexpr int C = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+  const uint8_t* w = A.tiles + t * fp8_tile_bytes(A);
+  const __m512i t0 = _mm512_load_si512(e4m3_bf16), t1 = _mm512_load_si512(e4m3_bf16 + 32);
+  const __m512i t2 = _mm512_load_si512(e4m3_bf16 + 64), t3 = _mm512_load_si512(e4m3_bf16 + 96);
+  const __m512i bit6 = _mm512_set1_epi16(0x40), sign = _mm512_set1_epi16(int16_t(0x8000));
+  __m512 out[MB];
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < A.n_groups; ++g) {
+    const int64_t k0 = g * A.group, k1 = std::min(A.K, k0 + A.group);
+    __m512 s[MB][C];
+    for (int m = 0; m < MB; ++m)
+      for (int c = 0; c < C; ++c) s[m][c] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 2 * C) {
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* step = w + (k / 2 + c) * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(step + 2048), _MM_HINT_T0);
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step)));
+        const __m512i lo = _mm512_permutex2var_epi16(t0, b, t1), hi = _mm512_permutex2var_epi16(t2, b, t3);
+        __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(b, bit6), lo, hi);
+        v = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(b, 8), sign, 0xF8);  // v | (b << 8 & 0x8000)
+        for (int m = 0; m < MB; ++m) {
+          uint32_t pair;
+          std::memcpy(&pair, A.x + (m0 + m) * A.K + k + 2 * c, 4);
+          s[m][c] = _mm512_dpbf16_ps(s[m][c], (__m512bh)v, (__m512bh)_mm512_set1_epi32(int(pair)));
+        }
+      }
+    }
+    const __m512 sv = _mm512_loadu_ps(A.scale + (t * A.n_groups + g) * TILE);
+    for (int m = 0; m < MB; ++m) {
+      __m512 total = s[m][0];
+      for (int c = 1; c < C; ++c) total = _mm512_add_ps(total, s[m][c]);
+      out[m] = _mm512_fmadd_ps(total, sv, out[m]);
+    }
+  }
+  const __mmask16 mask = __mmask16((1u << std::min<int64_t>(TILE, A.N - t * TILE)) - 1u);
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * ldy + t * TILE, mask, out[m]);
+}
+
+bool cpu_has_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+#else
+bool cpu_has_bf16() { return false; }
+#endif
+
+void init_e4m3_bf16() {
+#ifdef QK_X86
+  for (int i = 0; i < 128; ++i) e4m3_bf16[i] = to_bf16(e4m3_table[i]);
+#endif
+}
+
+enum Fp8Isa : int64_t { FP8_SCALAR = 0, FP8_BF16 = 3 };
+
+template <int MB>
+void fp8_tiles(const Fp8Args& A, int64_t isa, int64_t m0, float* y, int64_t ldy) {
+  const int64_t tiles = (A.N + TILE - 1) / TILE;
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+#ifdef QK_X86
+      if (isa == FP8_BF16) { fp8_tile_bf16<MB>(A, t, m0, y, ldy); continue; }
+#endif
+      fp8_tile_scalar<MB>(A, t, m0, y, ldy);
+    }
+  });
+}
+
+// The FP8 kernel's weight, checked: tiles uint8 [ceil(N / 16), K / 2, 32]; scale fp32 [tiles, n_groups, 16];
+// K and the group even multiples of 4 (whole steps per chain).
+Fp8Args fp8_args(const at::Tensor& tiles, const at::Tensor& scale, int64_t N, int64_t K, int64_t group) {
+  const int64_t n_tiles = (N + TILE - 1) / TILE;
+  TORCH_CHECK(K > 0 && K % 8 == 0, "K must be a positive multiple of 8, got ", K);
+  TORCH_CHECK(group > 0 && (group == K || group % 8 == 0), "group must be a multiple of 8 or K, got ", group);
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.numel() == n_tiles * (K / 2) * 32,
+              "tiles must be uint8 [", n_tiles, ", ", K / 2, ", 32]");
+  const int64_t n_groups = (K + group - 1) / group;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_tiles * n_groups * TILE,
+              "scale must be fp32 [tiles, groups, 16]");
+  return Fp8Args{tiles.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, N, n_groups, group, nullptr};
+}
+
+// x bf16 [M, K] with M <= gemv_max_rows; isa 0 scalar, 3 AVX512-BF16 (downgraded where this CPU lacks it).
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, int64_t N, int64_t group,
+                      int64_t isa, int64_t gemv_max_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be contiguous bf16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M <= gemv_max_rows, "fp8_linear serves up to ", gemv_max_rows, " rows; dequantise with fp8_weight past it");
+  Fp8Args A = fp8_args(tiles, scale, N, K, group);
+  A.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  if (isa == FP8_BF16 && !cpu_has_bf16()) isa = FP8_SCALAR;
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: fp8_tiles<1>(A, isa, m0, yp, N); break;
+      case 2: fp8_tiles<2>(A, isa, m0, yp, N); break;
+      case 3: fp8_tiles<3>(A, isa, m0, yp, N); break;
+      case 4: fp8_tiles<4>(A, isa, m0, yp, N); break;
+      case 5: fp8_tiles<5>(A, isa, m0, yp, N); break;
+      case 6: fp8_tiles<6>(A, isa, m0, yp, N); break;
+      case 7: fp8_tiles<7>(A, isa, m0, yp, N); break;
+      default: fp8_tiles<8>(A, isa, m0, yp, N); break;
+    }
+  }
+  return y;
+}
+
+// fp8_linear's weight dequantised into out [N, K] (e4m3 value * scale, exact in fp32, rounded once).
+void fp8_weight(const at::Tensor& tiles, const at::Tensor& scale, int64_t group, at::Tensor out) {
+  const int64_t N = out.size(0), K = out.size(1), n_tiles = (N + TILE - 1) / TILE;
+  check_dense_out(out, N, K);
+  const Fp8Args A = fp8_args(tiles, scale, N, K, group);
+  at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> rows(TILE * K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* w = A.tiles + t * fp8_tile_bytes(A);
+      for (int j = 0; j < TILE; ++j)
+        for (int64_t g = 0; g < A.n_groups; ++g) {
+          const float s = A.scale[(t * A.n_groups + g) * TILE + j];
+          for (int64_t k = g * group; k < std::min(K, (g + 1) * group); ++k)
+            rows[j * K + k] = e4m3_table[w[(k / 2) * 32 + 2 * j + (k % 2)]] * s;
+        }
+      const int64_t keep = std::min<int64_t>(TILE, N - t * TILE);
       store_row(rows.data(), keep * K, out, t * TILE * K);
     }
   });
@@ -699,11 +949,15 @@ bool has_avx2() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   init_e4m3_table();
+  init_e4m3_bf16();
   m.def("dq_linear", &dq_linear, "x @ dequant(W)^T in fp32 (W: uint4 / int8 / e4m3 bytes with group scales)");
   m.def("has_avx2", &has_avx2, "built with the AVX2 + FMA + F16C path");
-  m.def("dot_linear", &dot_linear, "x @ dequant(W)^T for 4-bit W in 16-row tiles (integer dot GEMV, BLAS past it)");
+  m.def("dot_linear", &dot_linear, "x @ dequant(W)^T for 4- or 8-bit W in 16-row tiles (integer dot GEMV)");
   m.def("has_vnni", &cpu_has_vnni, "this CPU runs the AVX512-VNNI path");
   m.def("dq_weight", &dq_weight, "dequant(W) of dq_linear's weight into out [N, K] (fp32 / bf16 / fp16)");
   m.def("dot_weight", &dot_weight, "dequant(W) of dot_linear's tiles into out [N, K] (fp32 / bf16 / fp16)");
   m.def("tile_u4", &tile_u4, "compressed-tensors 4-bit rows -> the dot kernel's tiles");
+  m.def("fp8_linear", &fp8_linear, "x @ dequant(W)^T for e4m3 W in 16-row tiles (bf16 x, AVX512-BF16 GEMV)");
+  m.def("fp8_weight", &fp8_weight, "dequant(W) of fp8_linear's tiles into out [N, K] (fp32 / bf16 / fp16)");
+  m.def("has_bf16", &cpu_has_bf16, "this CPU runs the AVX512-BF16 path");
 }

@@ -92,6 +92,24 @@ def fp8_layer(n, k, strategy, act, *, dtype, seed=0) -> QuantLinear:
 I4, I8, CPP, DOT = "torch-int4pack", "torch-int8pack", "cpu-dequant", "cpu-int4dot"
 # torch._int_mm is exact only where oneDNN has more than AVX2 (see test_int_mm_probe_matches_an_exact_product)
 MM = "torch-int-mm" if int_mm_is_exact() else CPP
+W8, F8 = "cpu-int8dot", "cpu-fp8dot"
+
+
+def _int8dot(otherwise):
+    """cpu-int8dot where its AVX512-VNNI path runs (it is offered nowhere else, and only to bf16 / fp16
+    activations), else `otherwise`."""
+    from quantkit.runtime.kernels import cpp
+
+    return W8 if cpp.extension() is not None and cpp.dot_isa() == cpp.ISA_VNNI512 else otherwise
+
+
+def _fp8dot():
+    from quantkit.runtime.kernels import cpp
+
+    return F8 if cpp.extension() is not None and cpp.fp8_isa() == cpp.ISA_BF16 else CPP
+
+
+F8_BF = _fp8dot()
 BF, FP = torch.bfloat16, torch.float32
 CASES = {
     "w4_sym_g32": (lambda d: int_layer(64, 128, 4, True, 32, dtype=d), {BF: I4, FP: CPP}),
@@ -107,18 +125,29 @@ CASES = {
     "w4_asym_g16_act_order": (lambda d: int_layer(40, 96, 4, False, 16, act_order=True, dtype=d), {BF: CPP, FP: CPP}),
     "w8_sym_channel_ragged": (lambda d: int_layer(48, 100, 8, True, dtype=d), {BF: CPP, FP: CPP}),
     "w8_sym_channel": (lambda d: int_layer(40, 96, 8, True, dtype=d), {BF: I8, FP: CPP}),
-    "w8_sym_channel_int": (lambda d: int_layer(64, 576, 8, True, fmt="int-quantized", dtype=d), {BF: I8, FP: CPP}),
+    "w8_sym_channel_int": (lambda d: int_layer(64, 576, 8, True, fmt="int-quantized", dtype=d),
+                           {BF: _int8dot(I8), FP: CPP}),
+    # 8-bit tiles: 4 columns per step, padded rows, act-order, asymmetric groups, 128-column blocks with a 64 tail.
+    "w8_asym_g64_act_order": (lambda d: int_layer(40, 256, 8, False, 64, act_order=True, dtype=d),
+                              {BF: _int8dot(CPP), FP: CPP}),
+    "w8_sym_g128_k384": (lambda d: int_layer(24, 384, 8, True, 128, dtype=d), {BF: _int8dot(CPP), FP: CPP}),
+    "w8_asym_channel_k320": (lambda d: int_layer(72, 320, 8, False, dtype=d), {BF: _int8dot(CPP), FP: CPP}),
     "w8_asym_g32_act_order": (lambda d: int_layer(48, 128, 8, False, 32, act_order=True, dtype=d), {BF: CPP, FP: CPP}),
     "w8_asym_channel_int": (lambda d: int_layer(24, 72, 8, False, fmt="int-quantized", dtype=d), {BF: CPP, FP: CPP}),
     "w8a8_token": (lambda d: int_layer(48, 100, 8, True, fmt="int-quantized", act=TOKEN_INT8, dtype=d), {BF: MM, FP: MM}),
-    "w8a8_static": (lambda d: int_layer(32, 64, 8, True, fmt="int-quantized", act=TENSOR_INT8, dtype=d), {BF: MM, FP: MM}),
+    "w8a8_static": (lambda d: int_layer(32, 64, 8, True, fmt="int-quantized", act=TENSOR_INT8, dtype=d),
+                    {BF: _int8dot(MM), FP: MM}),
     "w8a8_static_asym": (lambda d: int_layer(32, 64, 8, True, fmt="int-quantized", act=TENSOR_INT8_ASYM, dtype=d),
-                         {BF: MM, FP: MM}),
+                         {BF: _int8dot(MM), FP: MM}),
+    "w8a8_token_k320": (lambda d: int_layer(40, 320, 8, True, fmt="int-quantized", act=TOKEN_INT8, dtype=d),
+                        {BF: _int8dot(MM), FP: MM}),
     "w8a8_group_act": (lambda d: int_layer(32, 80, 8, True, fmt="int-quantized", act=GROUP_INT8, dtype=d), {BF: CPP, FP: CPP}),
-    "fp8_tensor_static": (lambda d: fp8_layer(48, 96, "tensor", TENSOR_FP8, dtype=d), {BF: CPP, FP: CPP}),
-    "fp8_channel_token": (lambda d: fp8_layer(64, 576, "channel", TOKEN_FP8, dtype=d), {BF: CPP, FP: CPP}),
-    "fp8_block_ragged": (lambda d: fp8_layer(200, 200, "block", GROUP_FP8, dtype=d), {BF: CPP, FP: CPP}),
-    "fp8_block_k320": (lambda d: fp8_layer(256, 320, "block", GROUP_FP8, dtype=d), {BF: CPP, FP: CPP}),
+    # cpu-fp8dot takes bf16 activations only (an fp32 x would be rounded); a 200-wide K: a 72-wide last block.
+    "fp8_tensor_static": (lambda d: fp8_layer(48, 96, "tensor", TENSOR_FP8, dtype=d), {BF: F8_BF, FP: CPP}),
+    "fp8_channel_token": (lambda d: fp8_layer(64, 576, "channel", TOKEN_FP8, dtype=d), {BF: F8_BF, FP: CPP}),
+    "fp8_channel_weight_only": (lambda d: fp8_layer(40, 256, "channel", None, dtype=d), {BF: F8_BF, FP: CPP}),
+    "fp8_block_ragged": (lambda d: fp8_layer(200, 200, "block", GROUP_FP8, dtype=d), {BF: F8_BF, FP: CPP}),
+    "fp8_block_k320": (lambda d: fp8_layer(256, 320, "block", GROUP_FP8, dtype=d), {BF: F8_BF, FP: CPP}),
 }
 
 
@@ -174,12 +203,12 @@ def test_kernel_matches_the_reference_oracle(case, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", [c for c, (_, kern) in CASES.items() if "act_order" not in c
-                                  and {kern[torch.bfloat16], kern[torch.float32]} & {CPP, DOT, I8}])
+                                  and {kern[torch.bfloat16], kern[torch.float32]} & {CPP, DOT, I8, W8, F8}])
 def test_prefill_through_the_dense_gemm_is_the_reference_bit_for_bit(case, dtype):
     """Past the GEMV rows the weight is dequantised once into x's dtype (each value rounded once, as the reference's
     dequantisation) and multiplied by the same F.linear: the reference's output exactly, bias included."""
     build, expected = CASES[case]
-    if expected[dtype] not in (CPP, DOT, I8):
+    if expected[dtype] not in (CPP, DOT, I8, W8, F8):
         pytest.skip(f"{expected[dtype]} serves {case} in {dtype}")
     layer, twin = build(dtype), build(dtype)
     dispatch.prepare_layer(layer)
@@ -334,21 +363,34 @@ def test_a_kernel_that_does_not_build_leaves_the_reference_with_one_warning(tmp_
     assert torch.equal(layers[0](x), reference.linear(x, int_layer(32, 64, 4, True, 32, dtype=torch.float32)))
 
 
-@pytest.mark.parametrize("case", ["w4_asym_g64_act_order", "w4_asym_channel_k320", "w4_sym_g64_k576_n40"])
-def test_int4dot_instruction_sets_agree_with_the_oracle(case, monkeypatch):
-    """The scalar, AVX2 and AVX512-VNNI paths of cpu-int4dot (whichever this CPU runs) each meet the oracle's
-    bf16 bound, for every batch size of the GEMV (1..16, each MB template)."""
+ISA_CASES = {"w4_asym_g64_act_order": DOT, "w4_asym_channel_k320": DOT, "w4_sym_g64_k576_n40": DOT,
+             "w8_asym_g64_act_order": W8, "w8_sym_g128_k384": W8, "w8a8_token_k320": W8,
+             "fp8_block_ragged": F8, "fp8_channel_token": F8}
+
+
+@pytest.mark.parametrize("case", list(ISA_CASES))
+def test_tile_kernel_instruction_sets_agree_with_the_oracle(case, monkeypatch):
+    """The scalar, AVX2 and AVX512 (VNNI / BF16) paths of the tile kernels (whichever this CPU runs) each meet the
+    oracle's bf16 bound, for every batch size of the GEMV (1..16, each MB template)."""
     from quantkit.runtime.kernels import cpp
 
-    isas = [cpp.ISA_SCALAR, cpp.ISA_AVX2] + ([cpp.ISA_VNNI512] if cpp.extension().has_vnni() else [])
+    kernel = ISA_CASES[case]
     build, _ = CASES[case]
     layer, twin = build(torch.bfloat16), build(torch.bfloat16)
-    assert dispatch.prepare_layer(layer)[0] == DOT
+    name = dispatch.prepare_layer(layer)[0]
+    if name != kernel:
+        pytest.skip(f"{kernel} is not offered on this CPU ({name} serves {case})")
+    if kernel == F8:
+        which, isas = "fp8_isa", [cpp.ISA_SCALAR, cpp.ISA_BF16]
+    else:
+        which = "dot_isa"
+        isas = [cpp.ISA_SCALAR] + ([cpp.ISA_AVX2] if kernel == DOT else []) + \
+            ([cpp.ISA_VNNI512] if cpp.extension().has_vnni() else [])
     gen = torch.Generator().manual_seed(5)
     xs = [(torch.randn(m, layer.in_features, generator=gen) * 2).bfloat16() for m in (1, 2, 3, 5, 8, 9, 16)]
     outputs = {}
     for isa in isas:
-        monkeypatch.setattr(cpp, "dot_isa", lambda isa=isa: isa)
+        monkeypatch.setattr(cpp, which, lambda isa=isa: isa)
         outputs[isa] = [layer(x) for x in xs]
     for isa, ys in outputs.items():
         for x, y in zip(xs, ys):

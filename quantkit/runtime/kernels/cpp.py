@@ -7,8 +7,14 @@ per tile; decode-sized batches (up to GEMV_MAX_ROWS rows) run an integer-dot GEM
 in 16-bit block fixed point (see the source: error <= absmax * 2^-16 per element, far below bf16's own);
 larger batches take the dense path below.
 
+`cpu-int8dot` is the same GEMV on 8-bit codes (W8A16, and W8A8 after the reference's activation fake-quant), 4
+columns per 64-byte tile step, where the AVX512-VNNI path runs. `cpu-fp8dot` serves e4m3 weights on bf16
+activations through AVX512-BF16 dot products on 16-row tiles of the weight bytes (each e4m3 value is a bf16, so
+the products are the reference's own).
+
 `cpu-dequant` covers every other weight format the torch ops do not (fp32 activations of shapes the tiles do
-not take, group-wise W8A16, asymmetric or ragged shapes torch refuses, FP8 weights).
+not take, group-wise W8A16, asymmetric or ragged shapes torch refuses, FP8 weights on CPUs without
+AVX512-BF16).
 
 Past GEMV_MAX_ROWS rows (prefill) both dequantise the whole weight once into the activation dtype, each value
 formed exactly in fp32 and rounded once (the reference's own bits), into a shared buffer (`base.dense_scratch`)
@@ -136,7 +142,7 @@ class DequantKernel:
 _EMPTY_I8 = torch.empty(0, dtype=torch.int8)
 _EMPTY_F32 = torch.empty(0, dtype=torch.float32)
 TILE = 16  # rows per tile (csrc: TILE)
-ISA_SCALAR, ISA_AVX2, ISA_VNNI512 = 0, 1, 2
+ISA_SCALAR, ISA_AVX2, ISA_VNNI512, ISA_BF16 = 0, 1, 2, 3
 
 
 @functools.cache
@@ -168,17 +174,36 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
 
 
+def tile_bytes(u: torch.Tensor, width: int) -> torch.Tensor:
+    """Byte codes u [N, K] (K % width == 0) -> tiles uint8 [ceil(N/16), K/width, 16 * width]: per tile and
+    `width`-column step, `width` consecutive bytes per row (8-bit integer tiles: width 4; FP8 tiles: width 2)."""
+    k = u.shape[1]
+    v = _pad_rows(u).reshape(-1, TILE, k // width, width)
+    return v.permute(0, 2, 1, 3).contiguous().reshape(-1, k // width, TILE * width)
+
+
+def rows_of(scale: torch.Tensor, row_block: int, n: int) -> torch.Tensor:
+    """A scale grid whose rows each cover `row_block` output rows -> one row per output row [n, G]."""
+    return scale if row_block == 1 else scale.repeat_interleave(row_block, 0)[:n]
+
+
 @dataclass
-class Int4Tiles(Prepared):
-    tiles: torch.Tensor  # uint8 [tiles, K / 8, 64]
+class IntTiles(Prepared):
+    tiles: torch.Tensor  # uint8 [tiles, K * bits / 32, 64]
     scale: torch.Tensor  # fp32 [tiles, groups, 16]
-    zscale: torch.Tensor | None  # fp32 scale * (8 + zp), like scale; None when symmetric
+    zscale: torch.Tensor | None  # fp32 scale * (offset + zp), like scale; None when symmetric
     perm: torch.Tensor | None
     group: int
+    input_args: object = None
+    input_scale: torch.Tensor | None = None
+    input_zero_point: torch.Tensor | None = None
 
 
-class Int4DotKernel:
-    name = "cpu-int4dot"
+class IntDotKernel:
+    """The integer-dot GEMV on 16-row tiles of `bits`-bit codes (see the C++ source)."""
+
+    name = "cpu-intdot"
+    bits = 4
 
     @staticmethod
     def _group(fmt, k: int) -> int | None:
@@ -187,38 +212,138 @@ class Int4DotKernel:
             return w.group_size if w.group_size % 64 == 0 else None
         return k if w.strategy in ("channel", "tensor") else None
 
+    def _isa_ok(self) -> bool:
+        return True
+
+    def _input_ok(self, fmt, dtype) -> bool:
+        return fmt.input is None
+
     def supports(self, fmt, device, shape, dtype) -> bool:
         w = fmt.weights
         k = shape[1]
-        return (torch.device(device).type == "cpu" and dtype.is_floating_point and fmt.input is None
-                and w.type == "int" and w.num_bits == 4 and k % 64 == 0 and self._group(fmt, k) is not None
-                and extension() is not None)
+        return (torch.device(device).type == "cpu" and dtype.is_floating_point and self._input_ok(fmt, dtype)
+                and w.type == "int" and w.num_bits == self.bits and k % 64 == 0 and self._group(fmt, k) is not None
+                and extension() is not None and self._isa_ok())
 
-    def prepare(self, layer) -> Int4Tiles:
+    def _tiles(self, layer, perm: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare(self, layer) -> IntTiles:
         n, k = layer.out_features, layer.in_features
         perm = act_order(layer)
-        if layer.fmt.format == "pack-quantized" and perm is None:
-            # Straight from the checkpoint's bytes (no [out, in] unpacked copy: 2x the packed size per layer,
-            # which the allocator then keeps as resident memory).
-            tiles = extension().tile_u4(layer.weight_packed.contiguous().view(torch.uint8), k)
-        else:
-            tiles = tile_nibbles(unsigned_weight(layer, perm))
+        tiles = self._tiles(layer, perm)
         scale, _, row_block = scale_grid(layer)
-        scale = scale.float().expand(n, -1) if row_block > 1 else scale.float()
+        scale = rows_of(scale.float(), row_block, n)
         zp = zero_grid(layer)
-        zscale = None if zp is None else tile_grid(scale * (8.0 + zp.float().expand_as(scale)))
-        group = self._group(layer.fmt, k)
-        return Int4Tiles(k, n, layer.bias, tiles, tile_grid(scale), zscale, perm, group)
+        offset = float(1 << (self.bits - 1))
+        zscale = None if zp is None else tile_grid(scale * (offset + rows_of(zp.float(), row_block, n)))
+        return IntTiles(k, n, layer.bias, tiles, tile_grid(scale), zscale, perm, self._group(layer.fmt, k),
+                        layer.fmt.input, getattr(layer, "input_scale", None), getattr(layer, "input_zero_point", None))
 
-    def run(self, x: torch.Tensor, p: Int4Tiles) -> torch.Tensor:
+    def run(self, x: torch.Tensor, p: IntTiles) -> torch.Tensor:
         x2 = flat(x, p.in_features)
+        if p.input_args is not None:
+            x2 = quantize_activation(x2, p.input_args, p.input_scale, p.input_zero_point)
         if p.perm is not None:
             x2 = x2.index_select(1, p.perm)
         zs = p.zscale if p.zscale is not None else _EMPTY_F32
         if x2.shape[0] > GEMV_MAX_ROWS:
             w = dense_scratch(p.out_features, p.in_features, x2.dtype)
-            extension().dot_weight(p.tiles, p.scale, zs, p.group, w)
+            extension().dot_weight(p.tiles, p.scale, zs, p.group, self.bits, w)
             return dense_product(x, x2, w, p)
-        y = extension().dot_linear(x2.contiguous(), p.tiles, p.scale, zs, p.out_features, p.group, dot_isa(),
+        y = extension().dot_linear(x2.contiguous(), p.tiles, p.scale, zs, p.out_features, p.group, self.bits,
+                                   dot_isa(), GEMV_MAX_ROWS)
+        return finish(y, x, p)
+
+
+class Int4DotKernel(IntDotKernel):
+    name = "cpu-int4dot"
+    bits = 4
+
+    def _tiles(self, layer, perm):
+        if layer.fmt.format == "pack-quantized" and perm is None:
+            # Straight from the checkpoint's bytes (no [out, in] unpacked copy: 2x the packed size per layer,
+            # which the allocator then keeps as resident memory).
+            return extension().tile_u4(layer.weight_packed.contiguous().view(torch.uint8), layer.in_features)
+        return tile_nibbles(unsigned_weight(layer, perm))
+
+
+class Int8DotKernel(IntDotKernel):
+    """8-bit weights (W8A16, and W8A8 with its activations fake-quantised first, as the reference does): only
+    where the AVX512-VNNI path runs (8-bit codes have no AVX2 path: pmaddubsw would saturate), and only for bf16 /
+    fp16 activations, whose own rounding the 16-bit fixed point of x stays far below (fp32 models keep
+    cpu-dequant's exact fp32 products)."""
+
+    name = "cpu-int8dot"
+    bits = 8
+
+    def _isa_ok(self) -> bool:
+        return dot_isa() == ISA_VNNI512
+
+    def _input_ok(self, fmt, dtype) -> bool:
+        return dtype in (torch.bfloat16, torch.float16)
+
+    def _tiles(self, layer, perm):
+        return tile_bytes(unsigned_weight(layer, perm), 4)
+
+
+@functools.cache
+def fp8_isa() -> int:
+    """The FP8 GEMV's instruction set here: AVX512-BF16 where ATen itself runs AVX512 and the CPU has it, else
+    none (FP8 linears then go to cpu-dequant)."""
+    ext = extension()
+    if ext is not None and torch.backends.cpu.get_cpu_capability() == "AVX512" and ext.has_bf16():
+        return ISA_BF16
+    return ISA_SCALAR
+
+
+@dataclass
+class Fp8Tiles(Prepared):
+    tiles: torch.Tensor  # uint8 [tiles, K / 2, 32]
+    scale: torch.Tensor  # fp32 [tiles, groups, 16]
+    group: int
+    input_args: object
+    input_scale: torch.Tensor | None
+    input_zero_point: torch.Tensor | None
+
+
+class Fp8DotKernel:
+    """e4m3 weights on bf16 activations through AVX512-BF16 dot products: every e4m3 value is a bf16, so the
+    products are the reference's; FP8 activations are fake-quantised first in bf16, as the reference does."""
+
+    name = "cpu-fp8dot"
+
+    @staticmethod
+    def _group(fmt, k: int) -> int | None:
+        w = fmt.weights
+        g = {"group": w.group_size, "block": w.block[1] if w.block else None}.get(w.strategy, k)
+        return g if g and (g == k or g % 8 == 0) else None
+
+    def supports(self, fmt, device, shape, dtype) -> bool:
+        w = fmt.weights
+        k = shape[1]
+        return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and w.type == "float"
+                and not w.is_fp4 and k % 8 == 0 and self._group(fmt, k) is not None
+                and extension() is not None and fp8_isa() == ISA_BF16)
+
+    def prepare(self, layer) -> Fp8Tiles:
+        n, k = layer.out_features, layer.in_features
+        if layer.weight.dtype != torch.float8_e4m3fn:
+            raise NotSupported(f"float weights of dtype {layer.weight.dtype}")
+        tiles = tile_bytes(layer.weight.contiguous().view(torch.uint8), 2)
+        scale, _, row_block = scale_grid(layer)
+        return Fp8Tiles(k, n, layer.bias, tiles, tile_grid(rows_of(scale.float(), row_block, n)),
+                        self._group(layer.fmt, k), layer.fmt.input, getattr(layer, "input_scale", None),
+                        getattr(layer, "input_zero_point", None))
+
+    def run(self, x: torch.Tensor, p: Fp8Tiles) -> torch.Tensor:
+        x2 = flat(x, p.in_features)
+        if p.input_args is not None:
+            x2 = quantize_activation(x2, p.input_args, p.input_scale, p.input_zero_point)
+        if x2.shape[0] > GEMV_MAX_ROWS:
+            w = dense_scratch(p.out_features, p.in_features, x2.dtype)
+            extension().fp8_weight(p.tiles, p.scale, p.group, w)
+            return dense_product(x, x2, w, p)
+        y = extension().fp8_linear(x2.contiguous(), p.tiles, p.scale, p.out_features, p.group, fp8_isa(),
                                    GEMV_MAX_ROWS)
         return finish(y, x, p)
