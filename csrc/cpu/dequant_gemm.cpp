@@ -381,6 +381,9 @@ void dot_tile_avx2(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ld
 #define QK_X86 1
 #define QK_VNNI_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define QK_BF16_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")))
+#if defined(__clang__) || __GNUC__ >= 10  // compilers that know AVX512-BF16's intrinsics
+#define QK_BF16 1
+#endif
 
 // One block's integer sums (hi and lo halves of x) of tile t and x row `row` added to acc in fp32: the block's
 // scale times c, minus (offset + zp) * scale times the block's sum of x.
@@ -785,7 +788,7 @@ void dq_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Tenso
 }
 
 bool cpu_has_bf16();
-#ifdef QK_X86
+#ifdef QK_BF16
 QK_BF16_TARGET void tile8_rows_bf16(const DotArgs& A, int64_t t, int64_t rows, uint16_t* out);
 #endif
 
@@ -800,7 +803,7 @@ void dot_weight(const at::Tensor& tiles, const at::Tensor& scale, const at::Tens
   at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> rows(fast ? 0 : TILE * K);
     for (int64_t t = t0; t < t1; ++t) {
-#ifdef QK_X86
+#ifdef QK_BF16
       if (fast) {
         uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + t * TILE * K;
         tile8_rows_bf16(A, t, std::min<int64_t>(TILE, N - t * TILE), o);
@@ -862,7 +865,7 @@ void fp8_tile_scalar(const Fp8Args& A, int64_t t, int64_t m0, float* y, int64_t 
     }
 }
 
-#ifdef QK_X86
+#ifdef QK_BF16
 // bf16 bits of the e4m3 magnitudes 0..127 as four 32-entry tables.
 alignas(64) uint16_t e4m3_bf16[128];
 
@@ -986,7 +989,7 @@ bool cpu_has_bf16() { return false; }
 #endif
 
 void init_e4m3_bf16() {
-#ifdef QK_X86
+#ifdef QK_BF16
   for (int i = 0; i < 128; ++i) e4m3_bf16[i] = to_bf16(e4m3_table[i]);
 #endif
 }
@@ -998,7 +1001,7 @@ void fp8_tiles(const Fp8Args& A, int64_t isa, int64_t m0, float* y, int64_t ldy)
   const int64_t tiles = (A.N + TILE - 1) / TILE;
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-#ifdef QK_X86
+#ifdef QK_BF16
       if (isa == FP8_BF16) { fp8_tile_bf16<MB>(A, t, m0, y, ldy); continue; }
 #endif
       fp8_tile_scalar<MB>(A, t, m0, y, ldy);
@@ -1056,7 +1059,7 @@ void fp8_weight(const at::Tensor& tiles, const at::Tensor& scale, int64_t group,
     std::vector<float> rows(fast ? 0 : TILE * K);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t keep = std::min<int64_t>(TILE, N - t * TILE);
-#ifdef QK_X86
+#ifdef QK_BF16
       if (fast) {
         fp8_rows_bf16(A, t, keep, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + t * TILE * K);
         continue;
