@@ -96,11 +96,11 @@ W8, F8 = "cpu-int8dot", "cpu-fp8dot"
 
 
 def _int8dot(otherwise):
-    """cpu-int8dot where its AVX512-VNNI path runs (it is offered nowhere else, and only to bf16 / fp16
-    activations), else `otherwise`."""
+    """cpu-int8dot where its AVX2 or AVX512-VNNI path runs (it is offered to bf16 / fp16 activations only), else
+    `otherwise`."""
     from quantkit.runtime.kernels import cpp
 
-    return W8 if cpp.extension() is not None and cpp.dot_isa() == cpp.ISA_VNNI512 else otherwise
+    return W8 if cpp.extension() is not None and cpp.dot_isa() != cpp.ISA_SCALAR else otherwise
 
 
 def _fp8dot():
@@ -384,8 +384,7 @@ def test_tile_kernel_instruction_sets_agree_with_the_oracle(case, monkeypatch):
         which, isas = "fp8_isa", [cpp.ISA_SCALAR, cpp.ISA_BF16]
     else:
         which = "dot_isa"
-        isas = [cpp.ISA_SCALAR] + ([cpp.ISA_AVX2] if kernel == DOT else []) + \
-            ([cpp.ISA_VNNI512] if cpp.extension().has_vnni() else [])
+        isas = [cpp.ISA_SCALAR, cpp.ISA_AVX2] + ([cpp.ISA_VNNI512] if cpp.extension().has_vnni() else [])
     gen = torch.Generator().manual_seed(5)
     xs = [(torch.randn(m, layer.in_features, generator=gen) * 2).bfloat16() for m in (1, 2, 3, 5, 8, 9, 16)]
     outputs = {}

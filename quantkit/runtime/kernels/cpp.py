@@ -8,7 +8,7 @@ in 16-bit block fixed point (see the source: error <= absmax * 2^-16 per element
 larger batches take the dense path below.
 
 `cpu-int8dot` is the same GEMV on 8-bit codes (W8A16, and W8A8 after the reference's activation fake-quant), 4
-columns per 64-byte tile step, where the AVX512-VNNI path runs. `cpu-fp8dot` serves e4m3 weights on bf16
+columns per 64-byte tile step (AVX512-VNNI, or AVX2 with 16-bit x). `cpu-fp8dot` serves e4m3 weights on bf16
 activations through AVX512-BF16 dot products on 16-row tiles of the weight bytes (each e4m3 value is a bf16, so
 the products are the reference's own).
 
@@ -269,16 +269,15 @@ class Int4DotKernel(IntDotKernel):
 
 
 class Int8DotKernel(IntDotKernel):
-    """8-bit weights (W8A16, and W8A8 with its activations fake-quantised first, as the reference does): only
-    where the AVX512-VNNI path runs (8-bit codes have no AVX2 path: pmaddubsw would saturate), and only for bf16 /
-    fp16 activations, whose own rounding the 16-bit fixed point of x stays far below (fp32 models keep
-    cpu-dequant's exact fp32 products)."""
+    """8-bit weights (W8A16, and W8A8 with its activations fake-quantised first, as the reference does), on
+    AVX512-VNNI (vpdpbusd) or AVX2 (pmaddwd on 16-bit x), and only for bf16 / fp16 activations, whose own rounding
+    the 16-bit fixed point of x stays far below (fp32 models keep cpu-dequant's exact fp32 products)."""
 
     name = "cpu-int8dot"
     bits = 8
 
     def _isa_ok(self) -> bool:
-        return dot_isa() == ISA_VNNI512
+        return dot_isa() in (ISA_AVX2, ISA_VNNI512)
 
     def _input_ok(self, fmt, dtype) -> bool:
         return dtype in (torch.bfloat16, torch.float16)
