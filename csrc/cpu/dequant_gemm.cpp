@@ -851,6 +851,7 @@ void dq_weight(const at::Tensor& codes, const at::Tensor& scale, const at::Tenso
 bool cpu_has_bf16();
 #ifdef QK_BF16
 QK_BF16_TARGET void tile8_rows_bf16(const DotArgs& A, int64_t t, int64_t rows, uint16_t* out);
+QK_BF16_TARGET void tile4_rows_bf16(const DotArgs& A, int64_t t, int64_t rows, uint16_t* out);
 #endif
 
 // dot_linear's weight (tiles, scale, zscale as there) dequantised into out [N, K].
@@ -860,14 +861,15 @@ void dot_weight(const at::Tensor& tiles, const at::Tensor& scale, const at::Tens
   check_dense_out(out, N, K);
   std::vector<int64_t> group_of_block;
   const DotArgs A = dot_args(tiles, scale, zscale, N, K, group, bits, group_of_block);
-  const bool fast = bits == 8 && out.scalar_type() == at::kBFloat16 && cpu_has_bf16();
+  const bool fast = out.scalar_type() == at::kBFloat16 && cpu_has_bf16();
   at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> rows(fast ? 0 : TILE * K);
     for (int64_t t = t0; t < t1; ++t) {
 #ifdef QK_BF16
       if (fast) {
         uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + t * TILE * K;
-        tile8_rows_bf16(A, t, std::min<int64_t>(TILE, N - t * TILE), o);
+        if (bits == 8) tile8_rows_bf16(A, t, std::min<int64_t>(TILE, N - t * TILE), o);
+        else tile4_rows_bf16(A, t, std::min<int64_t>(TILE, N - t * TILE), o);
         continue;
       }
 #endif
@@ -1022,29 +1024,84 @@ QK_BF16_TARGET void fp8_pair_bf16(const Fp8Args& A, const int64_t* ts, int64_t m
 // feed at 128 rows). Row j of a tile is gathered from its 16 steps (one 4-byte lane per step), formed exactly in
 // fp32 as the scalar paths do and rounded to bf16 by vcvtne2ps2bf16 (round to nearest even, as to_bf16; it
 // treats fp32 subnormals as zero, which (q - zp) * s of a real scale never is).
+// r[s] (lane j: dword (s, j)) -> r[j] (lane s: dword (s, j)), a 16 x 16 transpose of 32-bit values in registers.
+QK_BF16_TARGET inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int p = 0; p < 8; ++p) {
+    t[2 * p] = _mm512_unpacklo_epi32(r[2 * p], r[2 * p + 1]);
+    t[2 * p + 1] = _mm512_unpackhi_epi32(r[2 * p], r[2 * p + 1]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    u[4 * q] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+    u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_i32x4(u[8 * h + i], u[8 * h + 4 + i], 0x88);
+      t[8 * h + 4 + i] = _mm512_shuffle_i32x4(u[8 * h + i], u[8 * h + 4 + i], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
 QK_BF16_TARGET void tile8_rows_bf16(const DotArgs& A, int64_t t, int64_t rows, uint16_t* out) {
   const uint8_t* w = A.tiles + t * step_bytes(A);
-  const __m512i steps = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(64));
-  for (int j = 0; j < rows; ++j) {
-    const __m512i idx = _mm512_add_epi32(steps, _mm512_set1_epi32(4 * j));
-    uint16_t* o = out + j * A.K;
-    for (int64_t b = 0; b < A.n_blocks; ++b) {
-      const int64_t k0 = b * A.block, k1 = k0 + block_width(A, b), g = A.group_of_block[b];
-      const float s = A.scale[(t * A.n_groups + g) * TILE + j];
-      const float off = A.zscale ? (s != 0.0f ? std::nearbyint(A.zscale[(t * A.n_groups + g) * TILE + j] / s) : 0.0f)
-                                 : A.offset;
-      const __m512 vs = _mm512_set1_ps(s), voff = _mm512_set1_ps(off);
-      for (int64_t k = k0; k < k1; k += 64) {  // blocks are multiples of 64 columns: 16 steps of 4
-        const __m512i dw = _mm512_i32gather_epi32(idx, w + (k / 4) * 64, 1);
+  for (int64_t b = 0; b < A.n_blocks; ++b) {
+    const int64_t k0 = b * A.block, k1 = k0 + block_width(A, b), g = A.group_of_block[b];
+    for (int64_t k = k0; k < k1; k += 64) {  // blocks are multiples of 64 columns: 16 steps of 4
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(w + (k / 4 + i) * 64);
+      transpose16(r);  // r[j]: row j's 64 columns from k
+      for (int j = 0; j < rows; ++j) {
+        const float s = A.scale[(t * A.n_groups + g) * TILE + j];
+        const float off = A.zscale ? (s != 0.0f ? std::nearbyint(A.zscale[(t * A.n_groups + g) * TILE + j] / s) : 0.0f)
+                                   : A.offset;
+        const __m512 vs = _mm512_set1_ps(s), voff = _mm512_set1_ps(off);
         __m512 f[4];
-        f[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(dw, 0)));
-        f[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(dw, 1)));
-        f[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(dw, 2)));
-        f[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(dw, 3)));
+        f[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(r[j], 0)));
+        f[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(r[j], 1)));
+        f[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(r[j], 2)));
+        f[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(r[j], 3)));
         for (int q = 0; q < 4; ++q) f[q] = _mm512_mul_ps(_mm512_sub_ps(f[q], voff), vs);
-        _mm512_storeu_si512(o + k, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
-        _mm512_storeu_si512(o + k + 32, (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
+        uint16_t* o = out + j * A.K + k;
+        _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+        _mm512_storeu_si512(o + 32, (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
+      }
+    }
+  }
+}
+
+QK_BF16_TARGET void tile4_rows_bf16(const DotArgs& A, int64_t t, int64_t rows, uint16_t* out) {
+  const uint8_t* w = A.tiles + t * step_bytes(A);
+  const __m512i nib = _mm512_set1_epi8(15);
+  alignas(64) uint8_t cols[2][64];
+  for (int64_t k = 0; k < A.K; k += 128) {  // 16 steps of 8 columns (K is a multiple of 64: a 64-wide last chunk)
+    const int n_steps = int(std::min<int64_t>(16, (A.K - k) / 8));
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = i < n_steps ? _mm512_loadu_si512(w + (k / 8 + i) * 64) : _mm512_setzero_si512();
+    transpose16(r);  // r[j] lane i: row j's step i, byte c holding columns 8i + c (low nibble) and 8i + 4 + c (high)
+    for (int j = 0; j < rows; ++j) {
+      const __m512i lo = _mm512_and_si512(r[j], nib), hi = _mm512_and_si512(_mm512_srli_epi16(r[j], 4), nib);
+      // Per 128-bit lane L (steps 4L..4L+3) the 32-bit interleave puts columns 32L..32L+15 in unpacklo and
+      // 32L+16..32L+31 in unpackhi, in order.
+      _mm512_store_si512(cols[0], _mm512_unpacklo_epi32(lo, hi));
+      _mm512_store_si512(cols[1], _mm512_unpackhi_epi32(lo, hi));
+      for (int L = 0; L < n_steps / 4; ++L) {
+        __m512 f[2];
+        for (int h = 0; h < 2; ++h) {
+          const int64_t g = A.group_of_block[(k + 32 * L + 16 * h) / A.block];
+          const float s = A.scale[(t * A.n_groups + g) * TILE + j];
+          const float off = A.zscale ? (s != 0.0f ? std::nearbyint(A.zscale[(t * A.n_groups + g) * TILE + j] / s) : 0.0f)
+                                     : A.offset;
+          const __m128i u = _mm_load_si128(reinterpret_cast<const __m128i*>(cols[h] + 16 * L));
+          f[h] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u)), _mm512_set1_ps(off)),
+                               _mm512_set1_ps(s));
+        }
+        _mm512_storeu_si512(out + j * A.K + k + 32 * L, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
       }
     }
   }
@@ -1054,26 +1111,34 @@ QK_BF16_TARGET void fp8_rows_bf16(const Fp8Args& A, int64_t t, int64_t rows, uin
   const uint8_t* w = A.tiles + t * fp8_tile_bytes(A);
   __m512i tab[4];
   load_e4m3_table(tab);
-  const __m512i steps = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(32));
-  for (int j = 0; j < rows; ++j) {
-    // Row j's column pair is the low (even j) or high (odd j) half of the aligned 4 bytes at 4 * (j / 2).
-    const __m512i idx = _mm512_add_epi32(steps, _mm512_set1_epi32(4 * (j >> 1)));
-    const __m128i shift = _mm_cvtsi32_si128((j & 1) * 16);
-    uint16_t* o = out + j * A.K;
-    for (int64_t g = 0; g < A.n_groups; ++g) {
-      const int64_t k0 = g * A.group, k1 = std::min(A.K, k0 + A.group);
-      const float s = A.scale[(t * A.n_groups + g) * TILE + j];
-      const __m512 vs = _mm512_set1_ps(s);
-      int64_t k = k0;
-      for (; k + 32 <= k1; k += 32) {
-        const __m512i dw = _mm512_srl_epi32(_mm512_i32gather_epi32(idx, w + (k / 2) * 32, 1), shift);
-        const __m512i v = e4m3_to_bf16(_mm512_cvtepu8_epi16(_mm512_cvtepi32_epi16(dw)), tab);
-        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-        const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-        _mm512_storeu_si512(o + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, vs), _mm512_mul_ps(lo, vs)));
+  for (int64_t g = 0; g < A.n_groups; ++g) {
+    const int64_t k0 = g * A.group, k1 = std::min(A.K, k0 + A.group);
+    int64_t k = k0;
+    for (; k + 64 <= k1; k += 64) {  // 64 columns: 32 column-pair steps
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        // Steps 2i and 2i + 1 interleaved per row: lane j = row j's columns 4i..4i+3 (the 8-bit tiles' layout).
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k / 2 + 2 * i) * 32));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k / 2 + 2 * i + 1) * 32));
+        const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                  _mm256_permute2x128_si256(lo, hi, 0x31), 1);
       }
-      for (; k < k1; ++k) o[k] = to_bf16(e4m3_table[w[(k / 2) * 32 + 2 * j + (k % 2)]] * s);
+      transpose16(r);  // r[j]: row j's 64 codes from k
+      for (int j = 0; j < rows; ++j) {
+        const __m512 vs = _mm512_set1_ps(A.scale[(t * A.n_groups + g) * TILE + j]);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i v = e4m3_to_bf16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(r[j], h)), tab);
+          const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+          const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+          _mm512_storeu_si512(out + j * A.K + k + 32 * h,
+                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, vs), _mm512_mul_ps(lo, vs)));
+        }
+      }
+    }
+    for (int j = 0; j < rows; ++j) {
+      const float s = A.scale[(t * A.n_groups + g) * TILE + j];
+      for (int64_t kk = k; kk < k1; ++kk) out[j * A.K + kk] = to_bf16(e4m3_table[w[(kk / 2) * 32 + 2 * j + (kk % 2)]] * s);
     }
   }
 }
