@@ -2,11 +2,13 @@
 
 CPU: the C++ integer-dot kernel for 4-bit weights in 64-column groups (`cpp.Int4DotKernel`: as fast as torch's
 int4 matmul on AVX512, up to 1.6x on AVX2-only CPUs at batch 1, and within bf16 rounding of the exact product;
-benchmarks/results/int4_kernels.md) and its 8-bit twin (`cpp.Int8DotKernel`, AVX512-VNNI), the AVX512-BF16
-FP8 GEMV (`cpp.Fp8DotKernel`), torch's int4 matmul for the other W4A16 shapes it takes and
+benchmarks/results/int4_kernels.md) and its 8-bit twin (`cpp.Int8DotKernel`: W8A16 / W8A8 on bf16/fp16
+activations, AVX512-VNNI or AVX2), the AVX512-BF16 FP8 GEMV (`cpp.Fp8DotKernel`; per-format bandwidths in
+benchmarks/results/gemv_kernels.md), torch's int4 matmul for the other W4A16 shapes it takes and
 int8 weight-only matmul for per-channel W8A16 (bf16/fp16 activations), torch's int8 x int8 matmul for W8A8,
-and the C++ dequantising kernel (`cpp.DequantKernel`) for everything else: fp32 activations, group-wise
-W8A16, shapes torch refuses, FP8.
+and the C++ dequantising kernel (`cpp.DequantKernel`) for everything else: fp32 activations, shapes the tiles
+and torch refuse, FP8 on CPUs without AVX512-BF16. Where several serve a layer, the measured choice decides
+(`choice.py`).
 CUDA: csrc/ through NVRTC (`quantkit.runtime.cuda`), offered only where a GPU, its driver and the pinned CUDA
 Python set are present (else one line says why and the reference serves CUDA tensors). The same kernel classes
 over the CPU emulator serve `kernels="cuda-emulated"` (key "cuda-emulated").

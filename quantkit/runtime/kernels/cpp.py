@@ -12,14 +12,14 @@ columns per 64-byte tile step (AVX512-VNNI, or AVX2 with 16-bit x). `cpu-fp8dot`
 activations through AVX512-BF16 dot products on 16-row tiles of the weight bytes (each e4m3 value is a bf16, so
 the products are the reference's own).
 
-`cpu-dequant` covers every other weight format the torch ops do not (fp32 activations of shapes the tiles do
-not take, group-wise W8A16, asymmetric or ragged shapes torch refuses, FP8 weights on CPUs without
-AVX512-BF16).
+`cpu-dequant` covers every other weight format the torch ops do not (fp32 activations of shapes the 4-bit tiles
+do not take, 8-bit weights under fp32 activations, asymmetric or ragged shapes torch refuses, FP8 weights on CPUs
+without AVX512-BF16).
 
-Past GEMV_MAX_ROWS rows (prefill) both dequantise the whole weight once into the activation dtype, each value
-formed exactly in fp32 and rounded once (the reference's own bits), into a shared buffer (`base.dense_scratch`)
-and run one dense GEMM: the product is then the reference's F.linear, at the dense model's GEMM speed plus one
-decode pass over the weight.
+Past GEMV_MAX_ROWS rows (prefill) each of them dequantises the whole weight once into the activation dtype,
+each value formed exactly in fp32 and rounded once (the reference's own bits), into a shared buffer
+(`base.dense_scratch`), and runs one dense GEMM: the product is then the reference's F.linear, at the dense
+model's GEMM speed plus one decode pass over the weight.
 
 The weight stays in its stored bytes (4-bit nibbles, int8 or e4m3: zero-copy views of the checkpoint tensors
 where their layout allows) with fp32 scales and int8 zero points; the kernel decodes it eight weights at a
