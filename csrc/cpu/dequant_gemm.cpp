@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -167,6 +168,24 @@ void row_dot(const Layout& L, int64_t n, const float* x, int64_t ldx, float* y, 
   }
 }
 
+// f(std::integral_constant<int, MB>, m0) for each block of up to 8 rows of x (MB: the block's row count, a template
+// argument of the kernels so their accumulators stay in registers).
+template <typename F>
+void for_row_blocks(int64_t M, F&& f) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: f(std::integral_constant<int, 1>{}, m0); break;
+      case 2: f(std::integral_constant<int, 2>{}, m0); break;
+      case 3: f(std::integral_constant<int, 3>{}, m0); break;
+      case 4: f(std::integral_constant<int, 4>{}, m0); break;
+      case 5: f(std::integral_constant<int, 5>{}, m0); break;
+      case 6: f(std::integral_constant<int, 6>{}, m0); break;
+      case 7: f(std::integral_constant<int, 7>{}, m0); break;
+      default: f(std::integral_constant<int, 8>{}, m0); break;
+    }
+  }
+}
+
 template <int MB>
 void gemv_block(const Layout& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t N) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -176,21 +195,9 @@ void gemv_block(const Layout& L, const float* x, int64_t ldx, float* y, int64_t 
 }
 
 void gemv(const Layout& L, const float* x, int64_t M, float* y, int64_t N) {
-  const int64_t K = L.K;
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const float* xb = x + m0 * K;
-    float* yb = y + m0 * N;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: gemv_block<1>(L, xb, K, yb, N, N); break;
-      case 2: gemv_block<2>(L, xb, K, yb, N, N); break;
-      case 3: gemv_block<3>(L, xb, K, yb, N, N); break;
-      case 4: gemv_block<4>(L, xb, K, yb, N, N); break;
-      case 5: gemv_block<5>(L, xb, K, yb, N, N); break;
-      case 6: gemv_block<6>(L, xb, K, yb, N, N); break;
-      case 7: gemv_block<7>(L, xb, K, yb, N, N); break;
-      default: gemv_block<8>(L, xb, K, yb, N, N); break;
-    }
-  }
+  for_row_blocks(M, [&](auto mb, int64_t m0) {
+    gemv_block<decltype(mb)::value>(L, x + m0 * L.K, L.K, y + m0 * N, N, N);
+  });
 }
 
 // One dequantised row into out[K] (fp32): (q - zp) * s with one rounding, the reference's value exactly (the
@@ -725,18 +732,7 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Te
   }
   at::Tensor y = at::empty({M, N}, xf.options());
   float* yp = y.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: dot_tiles<1>(A, isa, m0, yp, N); break;
-      case 2: dot_tiles<2>(A, isa, m0, yp, N); break;
-      case 3: dot_tiles<3>(A, isa, m0, yp, N); break;
-      case 4: dot_tiles<4>(A, isa, m0, yp, N); break;
-      case 5: dot_tiles<5>(A, isa, m0, yp, N); break;
-      case 6: dot_tiles<6>(A, isa, m0, yp, N); break;
-      case 7: dot_tiles<7>(A, isa, m0, yp, N); break;
-      default: dot_tiles<8>(A, isa, m0, yp, N); break;
-    }
-  }
+  for_row_blocks(M, [&](auto mb, int64_t m0) { dot_tiles<decltype(mb)::value>(A, isa, m0, yp, N); });
   return y;
 }
 
@@ -1211,18 +1207,7 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Te
   if (isa == FP8_BF16 && !cpu_has_bf16()) isa = FP8_SCALAR;
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: fp8_tiles<1>(A, isa, m0, yp, N); break;
-      case 2: fp8_tiles<2>(A, isa, m0, yp, N); break;
-      case 3: fp8_tiles<3>(A, isa, m0, yp, N); break;
-      case 4: fp8_tiles<4>(A, isa, m0, yp, N); break;
-      case 5: fp8_tiles<5>(A, isa, m0, yp, N); break;
-      case 6: fp8_tiles<6>(A, isa, m0, yp, N); break;
-      case 7: fp8_tiles<7>(A, isa, m0, yp, N); break;
-      default: fp8_tiles<8>(A, isa, m0, yp, N); break;
-    }
-  }
+  for_row_blocks(M, [&](auto mb, int64_t m0) { fp8_tiles<decltype(mb)::value>(A, isa, m0, yp, N); });
   return y;
 }
 
