@@ -19,6 +19,12 @@ import torch
 CSRC = Path(__file__).parent / "_csrc"
 # AVX2 + FMA + F16C: every x86 CPU since 2013.
 CPU_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+# For kernels whose at::parallel_for must run on torch's threads (the runtime's GEMVs): at::parallel_for is an inline
+# OpenMP region, so an extension built without -fopenmp runs every one of them on one thread (measured: the 8-bit
+# GEMV streamed 32 GB/s on one thread and on two; 47 GB/s with it). The OpenMP runtime it links is torch's own
+# libgomp.so.1, already loaded under that soname. The calibration kernels stay serial per call: they run beside
+# the pipeline's own batch threads.
+OPENMP_CFLAGS = ("-fopenmp",)
 # For kernels that must round each fp32 product and quotient as torch's eager ops do (the calibration kernels):
 # no contraction into fused multiply-adds; vectorisable rounding and `#pragma omp simd`.
 EXACT_FP_CFLAGS = ("-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd")
@@ -72,7 +78,8 @@ def load_cpu_extension(path: Path, extra_cflags: tuple[str, ...] = ()):
         build.mkdir(parents=True, exist_ok=True)
         with _build_lock(build):
             module = load(name=f"quantkit_{stem}_{tag}", sources=[str(path)], build_directory=str(build),
-                          extra_cflags=CPU_FLAGS + list(extra_cflags), verbose=False)
+                          extra_cflags=CPU_FLAGS + list(extra_cflags),
+                          extra_ldflags=["-fopenmp"] if "-fopenmp" in extra_cflags else [], verbose=False)
         return module, None
     except Exception as exc:  # a missing compiler, headers or ninja: the eager code still runs everything
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

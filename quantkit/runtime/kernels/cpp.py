@@ -53,10 +53,10 @@ GEMV_MAX_ROWS = 16
 @functools.cache
 def extension():
     """The compiled extension module, or None (after one warning) where it cannot be built or run."""
-    from quantkit.native import load_cpu_extension
+    from quantkit.native import OPENMP_CFLAGS, load_cpu_extension
     from quantkit.progress import warn_once
 
-    module, why = load_cpu_extension(SOURCE)
+    module, why = load_cpu_extension(SOURCE, OPENMP_CFLAGS)
     if module is None:
         warn_once(f"cpu-dequant: {why}; linears it would serve run the torch reference")
     return module
