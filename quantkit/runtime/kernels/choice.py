@@ -6,7 +6,8 @@ than one kernel supports a layer's format, shape and activation dtype, each cand
 timed on a one-row activation (decode: where the kernels differ; prefill-sized batches all run the same dense
 GEMM), and the fastest serves every layer of that signature. The timings are cached per machine (CPU, torch
 version, candidates, format, shape, dtype) in `<quantkit cache>/kernel-choice.json` and taken again when they were
-measured on a busy machine and this one is quieter, as the compute-dtype probe does.
+measured on a busy machine and this one is quieter, as the compute-dtype probe does, and when a kernel's `version`
+(its source) changed.
 
 QUANTKIT_KERNEL_CHOICE=priority keeps the registration order (the test suite's setting: tests that name a kernel
 must not depend on a timing).
@@ -64,10 +65,10 @@ def _cache_file() -> Path:
     return cache_dir() / "kernel-choice.json"
 
 
-def _key(signature: str, names: list[str]) -> str:
+def _key(signature: str, names: list[str], versions: list[str]) -> str:
     from quantkit.compute import cpu_info
 
-    raw = json.dumps([asdict(cpu_info()), torch.__version__, signature, names])
+    raw = json.dumps([asdict(cpu_info()), torch.__version__, signature, names, versions])
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
@@ -83,7 +84,10 @@ def choose(layer, candidates: list[tuple[object, object]], signature: str, measu
     from quantkit.compute import read_cache, write_cache
 
     names = [k.name for k, _ in candidates]
-    key, path, load = _key(signature, names), _cache_file(), _load_per_core()
+    # A kernel's `version` (the C++ kernels: their source's hash) keys the timing too: a changed kernel is timed
+    # again instead of losing to its own old timing.
+    versions = [str(getattr(k, "version", "")) for k, _ in candidates]
+    key, path, load = _key(signature, names, versions), _cache_file(), _load_per_core()
     cached = read_cache(path) if use_cache else {}
     if use_cache:
         entry = cached.get(key)

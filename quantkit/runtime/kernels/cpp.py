@@ -51,6 +51,17 @@ GEMV_MAX_ROWS = 16
 
 
 @functools.cache
+def source_version() -> str:
+    """The kernels' source hash: what a cached timing of them (kernels/choice.py) was measured on."""
+    import hashlib
+
+    try:
+        return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    except OSError:
+        return ""
+
+
+@functools.cache
 def extension():
     """The compiled extension module, or None (after one warning) where it cannot be built or run."""
     from quantkit.native import OPENMP_CFLAGS, load_cpu_extension
@@ -99,7 +110,15 @@ def _codes(layer, perm: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous(), CODES["u4"]
 
 
-class DequantKernel:
+class SourceVersion:
+    """The C++ kernels' `version` for the measured choice's cache."""
+
+    @property
+    def version(self) -> str:
+        return source_version()
+
+
+class DequantKernel(SourceVersion):
     name = "cpu-dequant"
 
     def supports(self, fmt, device, shape, dtype) -> bool:
@@ -199,7 +218,7 @@ class IntTiles(Prepared):
     input_zero_point: torch.Tensor | None = None
 
 
-class IntDotKernel:
+class IntDotKernel(SourceVersion):
     """The integer-dot GEMV on 16-row tiles of `bits`-bit codes (see the C++ source)."""
 
     name = "cpu-intdot"
@@ -306,7 +325,7 @@ class Fp8Tiles(Prepared):
     input_zero_point: torch.Tensor | None
 
 
-class Fp8DotKernel:
+class Fp8DotKernel(SourceVersion):
     """e4m3 weights on bf16 activations through AVX512-BF16 dot products: every e4m3 value is a bf16, so the
     products are the reference's; FP8 activations are fake-quantised first in bf16, as the reference does."""
 
