@@ -7,7 +7,7 @@ timed on a one-row activation (decode: where the kernels differ; prefill-sized b
 GEMM), and the fastest serves every layer of that signature. The timings are cached per machine (CPU, torch
 version, candidates, format, shape, dtype) in `<quantkit cache>/kernel-choice.json` and taken again when they were
 measured on a busy machine and this one is quieter, as the compute-dtype probe does, and when a kernel's `version`
-(its source) changed.
+(its source and build flags) changed.
 
 QUANTKIT_KERNEL_CHOICE=priority keeps the registration order (the test suite's setting: tests that name a kernel
 must not depend on a timing).
@@ -84,8 +84,8 @@ def choose(layer, candidates: list[tuple[object, object]], signature: str, measu
     from quantkit.compute import read_cache, write_cache
 
     names = [k.name for k, _ in candidates]
-    # A kernel's `version` (the C++ kernels: their source's hash) keys the timing too: a changed kernel is timed
-    # again instead of losing to its own old timing.
+    # A kernel's `version` (the C++ kernels: the hash of their source and build flags) keys the timing too: a changed
+    # kernel is timed again instead of losing to its own old timing.
     versions = [str(getattr(k, "version", "")) for k, _ in candidates]
     key, path, load = _key(signature, names, versions), _cache_file(), _load_per_core()
     cached = read_cache(path) if use_cache else {}

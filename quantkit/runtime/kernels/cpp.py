@@ -52,11 +52,14 @@ GEMV_MAX_ROWS = 16
 
 @functools.cache
 def source_version() -> str:
-    """The kernels' source hash: what a cached timing of them (kernels/choice.py) was measured on."""
+    """The hash of the kernels' source and build flags: what a cached timing of them (kernels/choice.py) was
+    measured on."""
     import hashlib
 
+    from quantkit.native import CPU_FLAGS, OPENMP_CFLAGS
+
     try:
-        return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+        return hashlib.sha256(SOURCE.read_bytes() + " ".join([*CPU_FLAGS, *OPENMP_CFLAGS]).encode()).hexdigest()[:12]
     except OSError:
         return ""
 
@@ -111,7 +114,7 @@ def _codes(layer, perm: torch.Tensor | None) -> tuple[torch.Tensor, int]:
 
 
 class SourceVersion:
-    """The C++ kernels' `version` for the measured choice's cache."""
+    """The C++ kernels' `version` for the measured choice's cache: their source and build flags."""
 
     @property
     def version(self) -> str:
