@@ -495,66 +495,52 @@ QK_VNNI_TARGET void dot_tile_vnni(const DotArgs& A, int64_t t, int64_t m0, float
 
 // The 8-bit tiles: one 64-byte step is 4 columns of 16 rows, the stored bytes q + 128 (u8), so one dpbusd per
 // half of x (hi, lo) covers the step; the 128 + zp offset is removed per block as above. Overflow: a 128-column
-// block sums at most 128 * 255 * 128 per half, and hi * 256 + lo stays below 2^31.
-template <int MB>
-QK_VNNI_TARGET void dot8_tile_vnni(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
-  constexpr int C = MB <= 2 ? 2 : 1;
-  const uint8_t* w = A.tiles + t * step_bytes(A);
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+// block sums at most 128 * 255 * 128 per half, and hi * 256 + lo stays below 2^31. S tiles (ts) against MB rows of
+// x from m0, C steps in flight; S = 2 at batch 1: two sequential streams per thread, which measured +12% over one
+// (5632 x 2048 from DRAM; 3, 4 and 6 streams were no better, 6 worse).
+template <int S, int MB, int C>
+QK_VNNI_TARGET void dot8_tiles_vnni(const DotArgs& A, const int64_t* ts, int64_t m0, float* y, int64_t ldy) {
+  const uint8_t* w[S];
+  for (int i = 0; i < S; ++i) w[i] = A.tiles + ts[i] * step_bytes(A);
+  __m512 acc[S][MB];
+  for (int i = 0; i < S; ++i)
+    for (int m = 0; m < MB; ++m) acc[i][m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < A.n_blocks; ++b) {
     const int64_t k0 = b * A.block, k1 = k0 + block_width(A, b), g = A.group_of_block[b];
-    __m512i dh[MB][C], dl[MB][C];
-    for (int m = 0; m < MB; ++m)
-      for (int c = 0; c < C; ++c) dh[m][c] = dl[m][c] = _mm512_setzero_si512();
+    __m512i dh[S][MB][C], dl[S][MB][C];
+    for (int i = 0; i < S; ++i)
+      for (int m = 0; m < MB; ++m)
+        for (int c = 0; c < C; ++c) dh[i][m][c] = dl[i][m][c] = _mm512_setzero_si512();
     for (int64_t k = k0; k < k1; k += 4 * C) {
       for (int c = 0; c < C; ++c) {
-        const uint8_t* step = w + (k / 4 + c) * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH), _MM_HINT_T0);
-        const __m512i u = _mm512_loadu_si512(step);
-        for (int m = 0; m < MB; ++m) {
-          const int8_t* xh = A.xq + (m0 + m) * 2 * A.K + k + 4 * c;
-          dh[m][c] = _mm512_dpbusd_epi32(dh[m][c], u, _mm512_set1_epi32(load4(xh)));
-          dl[m][c] = _mm512_dpbusd_epi32(dl[m][c], u, _mm512_set1_epi32(load4(xh + A.K)));
+        for (int i = 0; i < S; ++i) {
+          const uint8_t* step = w[i] + (k / 4 + c) * 64;
+          _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH), _MM_HINT_T0);
+          const __m512i u = _mm512_loadu_si512(step);
+          for (int m = 0; m < MB; ++m) {
+            const int8_t* xh = A.xq + (m0 + m) * 2 * A.K + k + 4 * c;
+            dh[i][m][c] = _mm512_dpbusd_epi32(dh[i][m][c], u, _mm512_set1_epi32(load4(xh)));
+            dl[i][m][c] = _mm512_dpbusd_epi32(dl[i][m][c], u, _mm512_set1_epi32(load4(xh + A.K)));
+          }
         }
       }
     }
-    for (int m = 0; m < MB; ++m) {
-      __m512i hi = dh[m][0], lo = dl[m][0];
-      if (C == 2) hi = _mm512_add_epi32(hi, dh[m][C - 1]), lo = _mm512_add_epi32(lo, dl[m][C - 1]);
-      acc[m] = add_block(A, t, g, m0 + m, b, hi, lo, acc[m]);
-    }
+    for (int i = 0; i < S; ++i)
+      for (int m = 0; m < MB; ++m) {
+        __m512i hi = dh[i][m][0], lo = dl[i][m][0];
+        for (int c = 1; c < C; ++c) hi = _mm512_add_epi32(hi, dh[i][m][c]), lo = _mm512_add_epi32(lo, dl[i][m][c]);
+        acc[i][m] = add_block(A, ts[i], g, m0 + m, b, hi, lo, acc[i][m]);
+      }
   }
-  const __mmask16 mask = __mmask16((1u << valid_rows(A, t)) - 1u);
-  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * ldy + t * TILE, mask, acc[m]);
+  for (int i = 0; i < S; ++i) {
+    const __mmask16 mask = __mmask16((1u << valid_rows(A, ts[i])) - 1u);
+    for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * ldy + ts[i] * TILE, mask, acc[i][m]);
+  }
 }
 
-// One x row against S tiles at once: S sequential streams per thread, which measured +12% over one stream on 8-bit
-// tiles at batch 1 (5632 x 2048 from DRAM, S = 2; 3, 4 and 6 were no better, 6 worse).
-template <int S>
-QK_VNNI_TARGET void dot8_multi_vnni(const DotArgs& A, const int64_t* ts, int64_t m, float* y) {
-  const uint8_t* w[S];
-  for (int i = 0; i < S; ++i) w[i] = A.tiles + ts[i] * step_bytes(A);
-  __m512 acc[S];
-  for (int i = 0; i < S; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < A.n_blocks; ++b) {
-    const int64_t k0 = b * A.block, k1 = k0 + block_width(A, b), g = A.group_of_block[b];
-    __m512i dh[S], dl[S];
-    for (int i = 0; i < S; ++i) dh[i] = dl[i] = _mm512_setzero_si512();
-    for (int64_t k = k0; k < k1; k += 4) {
-      const int8_t* xr = A.xq + m * 2 * A.K + k;
-      const __m512i xh = _mm512_set1_epi32(load4(xr)), xl = _mm512_set1_epi32(load4(xr + A.K));
-      for (int i = 0; i < S; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(w[i] + (k / 4) * 64 + PREFETCH), _MM_HINT_T0);
-        const __m512i u = _mm512_loadu_si512(w[i] + (k / 4) * 64);
-        dh[i] = _mm512_dpbusd_epi32(dh[i], u, xh);
-        dl[i] = _mm512_dpbusd_epi32(dl[i], u, xl);
-      }
-    }
-    for (int i = 0; i < S; ++i) acc[i] = add_block(A, ts[i], g, m, b, dh[i], dl[i], acc[i]);
-  }
-  for (int i = 0; i < S; ++i)
-    _mm512_mask_storeu_ps(y + ts[i] * TILE, __mmask16((1u << valid_rows(A, ts[i])) - 1u), acc[i]);
+template <int MB>
+QK_VNNI_TARGET void dot8_tile_vnni(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
+  dot8_tiles_vnni<1, MB, (MB <= 2 ? 2 : 1)>(A, &t, m0, y, ldy);
 }
 
 bool cpu_has_vnni() {
@@ -579,7 +565,7 @@ void dot_tiles(const DotArgs& A, int64_t isa, int64_t m0, float* y, int64_t ldy)
       for (int64_t i = 0; i < per; ++i) {
         int64_t ts[S];
         for (int j = 0; j < S; ++j) ts[j] = t0 + j * per + i;
-        dot8_multi_vnni<S>(A, ts, m0, y + m0 * ldy);
+        dot8_tiles_vnni<S, 1, 1>(A, ts, m0, y, ldy);
       }
       for (int64_t t = t0 + S * per; t < t1; ++t) dot8_tile_vnni<1>(A, t, m0, y, ldy);
     });
@@ -939,81 +925,57 @@ QK_BF16_TARGET inline void load_e4m3_table(__m512i* t) {
   for (int i = 0; i < 4; ++i) t[i] = _mm512_load_si512(e4m3_bf16 + 32 * i);
 }
 
-// Column-pair steps in flight per x row: one vdpbf16ps chain per step (its latency, not its throughput, bounds a
-// one-row GEMV).
-template <int MB>
-QK_BF16_TARGET void fp8_tile_bf16(const Fp8Args& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
-  constexpr int C = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
-  const uint8_t* w = A.tiles + t * fp8_tile_bytes(A);
-  __m512i tab[4];
-  load_e4m3_table(tab);
-  __m512 out[MB];
-  for (int m = 0; m < MB; ++m) out[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < A.n_groups; ++g) {
-    const int64_t k0 = g * A.group, k1 = std::min(A.K, k0 + A.group);
-    __m512 s[MB][C];
-    for (int m = 0; m < MB; ++m)
-      for (int c = 0; c < C; ++c) s[m][c] = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k1; k += 2 * C) {
-      for (int c = 0; c < C; ++c) {
-        const uint8_t* step = w + (k / 2 + c) * 32;
-        _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH), _MM_HINT_T0);
-        const __m512i v = e4m3_to_bf16(
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step))), tab);
-        for (int m = 0; m < MB; ++m) {
-          uint32_t pair;
-          std::memcpy(&pair, A.x + (m0 + m) * A.K + k + 2 * c, 4);
-          s[m][c] = _mm512_dpbf16_ps(s[m][c], (__m512bh)v, (__m512bh)_mm512_set1_epi32(int(pair)));
-        }
-      }
-    }
-    const __m512 sv = _mm512_loadu_ps(A.scale + (t * A.n_groups + g) * TILE);
-    for (int m = 0; m < MB; ++m) {
-      __m512 total = s[m][0];
-      for (int c = 1; c < C; ++c) total = _mm512_add_ps(total, s[m][c]);
-      out[m] = _mm512_fmadd_ps(total, sv, out[m]);
-    }
-  }
-  const __mmask16 mask = __mmask16((1u << std::min<int64_t>(TILE, A.N - t * TILE)) - 1u);
-  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * ldy + t * TILE, mask, out[m]);
-}
-
-// One x row against two tiles at once (two sequential streams per thread, as dot8_multi_vnni), two column-pair
-// steps in flight per tile.
-QK_BF16_TARGET void fp8_pair_bf16(const Fp8Args& A, const int64_t* ts, int64_t m, float* y) {
-  constexpr int S = 2, C = 2;
+// S tiles (ts) against MB rows of x from m0, C column-pair steps in flight per (tile, row): one vdpbf16ps chain per
+// step (its latency, not its throughput, bounds a one-row GEMV). S = 2 at batch 1: two sequential streams per
+// thread, as dot8_tiles_vnni.
+template <int S, int MB, int C>
+QK_BF16_TARGET void fp8_tiles_bf16(const Fp8Args& A, const int64_t* ts, int64_t m0, float* y, int64_t ldy) {
   const uint8_t* w[S];
   for (int i = 0; i < S; ++i) w[i] = A.tiles + ts[i] * fp8_tile_bytes(A);
   __m512i tab[4];
   load_e4m3_table(tab);
-  __m512 out[S];
-  for (int i = 0; i < S; ++i) out[i] = _mm512_setzero_ps();
+  __m512 out[S][MB];
+  for (int i = 0; i < S; ++i)
+    for (int m = 0; m < MB; ++m) out[i][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < A.n_groups; ++g) {
     const int64_t k0 = g * A.group, k1 = std::min(A.K, k0 + A.group);
-    __m512 s[S][C];
+    __m512 s[S][MB][C];
     for (int i = 0; i < S; ++i)
-      for (int c = 0; c < C; ++c) s[i][c] = _mm512_setzero_ps();
+      for (int m = 0; m < MB; ++m)
+        for (int c = 0; c < C; ++c) s[i][m][c] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; k += 2 * C) {
       for (int c = 0; c < C; ++c) {
-        uint32_t pair;
-        std::memcpy(&pair, A.x + m * A.K + k + 2 * c, 4);
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(pair));
         for (int i = 0; i < S; ++i) {
           const uint8_t* step = w[i] + (k / 2 + c) * 32;
           _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH), _MM_HINT_T0);
           const __m512i v = e4m3_to_bf16(
               _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step))), tab);
-          s[i][c] = _mm512_dpbf16_ps(s[i][c], (__m512bh)v, xv);
+          for (int m = 0; m < MB; ++m) {
+            uint32_t pair;
+            std::memcpy(&pair, A.x + (m0 + m) * A.K + k + 2 * c, 4);
+            s[i][m][c] = _mm512_dpbf16_ps(s[i][m][c], (__m512bh)v, (__m512bh)_mm512_set1_epi32(int(pair)));
+          }
         }
       }
     }
     for (int i = 0; i < S; ++i) {
       const __m512 sv = _mm512_loadu_ps(A.scale + (ts[i] * A.n_groups + g) * TILE);
-      out[i] = _mm512_fmadd_ps(_mm512_add_ps(s[i][0], s[i][1]), sv, out[i]);
+      for (int m = 0; m < MB; ++m) {
+        __m512 total = s[i][m][0];
+        for (int c = 1; c < C; ++c) total = _mm512_add_ps(total, s[i][m][c]);
+        out[i][m] = _mm512_fmadd_ps(total, sv, out[i][m]);
+      }
     }
   }
-  for (int i = 0; i < S; ++i)
-    _mm512_mask_storeu_ps(y + ts[i] * TILE, __mmask16((1u << std::min<int64_t>(TILE, A.N - ts[i] * TILE)) - 1u), out[i]);
+  for (int i = 0; i < S; ++i) {
+    const __mmask16 mask = __mmask16((1u << std::min<int64_t>(TILE, A.N - ts[i] * TILE)) - 1u);
+    for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * ldy + ts[i] * TILE, mask, out[i][m]);
+  }
+}
+
+template <int MB>
+QK_BF16_TARGET void fp8_tile_bf16(const Fp8Args& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
+  fp8_tiles_bf16<1, MB, MB == 1 ? 4 : (MB == 2 ? 2 : 1)>(A, &t, m0, y, ldy);
 }
 
 // Prefill's dequantisation into bf16 rows, vectorised (the scalar tile_rows / fp8 loops cost 3x the bf16 GEMM they
@@ -1165,7 +1127,7 @@ void fp8_tiles(const Fp8Args& A, int64_t isa, int64_t m0, float* y, int64_t ldy)
       const int64_t per = (t1 - t0) / 2;
       for (int64_t i = 0; i < per; ++i) {
         const int64_t ts[2] = {t0 + i, t0 + per + i};
-        fp8_pair_bf16(A, ts, m0, y + m0 * ldy);
+        fp8_tiles_bf16<2, 1, 2>(A, ts, m0, y, ldy);
       }
       for (int64_t t = t0 + 2 * per; t < t1; ++t) fp8_tile_bf16<1>(A, t, m0, y, ldy);
     });
