@@ -11,6 +11,9 @@ compressed-tensors' fake-quantisation bit for bit.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -56,6 +59,38 @@ def activation_codes(x: torch.Tensor, args: QuantArgs, input_scale: torch.Tensor
     return q, scale, zp
 
 
+@functools.cache
+def fused_extension():
+    """The fused per-token fake quantisation (csrc/cpu/act_quant.cpp), or None after one warning where it cannot be
+    built; QUANTKIT_EAGER_ACTIVATIONS=1 keeps the eager ops."""
+    from quantkit.native import CSRC, EXACT_FP_CFLAGS, load_cpu_extension
+    from quantkit.progress import warn_once
+
+    if os.environ.get("QUANTKIT_EAGER_ACTIVATIONS"):
+        return None
+    module, why = load_cpu_extension(CSRC / "cpu" / "act_quant.cpp", EXACT_FP_CFLAGS)
+    if module is None:
+        warn_once(f"activation quantisation: {why}; the eager torch ops run instead (slower, same result)")
+    return module
+
+
+def _fused(x: torch.Tensor, args: QuantArgs) -> torch.Tensor | None:
+    """quantize_activation by the C++ kernel where it applies (dynamic per-token 8-bit, bf16 / fp32 on the CPU,
+    no autograd), else None. Same values bit for bit (tests/quant/test_activations.py)."""
+    if not (args.dynamic and args.strategy == "token" and args.num_bits == 8 and args.type in ("int", "float")
+            and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and x.numel()
+            and not (x.requires_grad and torch.is_grad_enabled())):
+        return None
+    ext = fused_extension()
+    if ext is None:
+        return None
+    eps = torch.finfo(x.dtype).eps
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = ext.fake_quant_token(x2, args.type == "float", float(args.qmin), float(args.qmax), float(args.half_range),
+                               eps)
+    return out.reshape(x.shape)
+
+
 def quantize_activation(x: torch.Tensor, args: QuantArgs, input_scale: torch.Tensor | None = None,
                         input_zero_point: torch.Tensor | None = None,
                         input_global_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,6 +98,13 @@ def quantize_activation(x: torch.Tensor, args: QuantArgs, input_scale: torch.Ten
     dynamic group scales, NVFP4's under the static `input_global_scale`."""
     if args.is_fp4:
         return fake_quantize_fp4_activation(x, args, input_global_scale)
+    fused = _fused(x, args)
+    return fused if fused is not None else eager_quantize_activation(x, args, input_scale, input_zero_point)
+
+
+def eager_quantize_activation(x: torch.Tensor, args: QuantArgs, input_scale: torch.Tensor | None = None,
+                              input_zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """quantize_activation in ATen ops (the reference the fused kernel reproduces; every non-fp4 case)."""
     shape = x.shape
     q, scale, zp = activation_codes(x, args, input_scale, input_zero_point)
     out = q.to(scale.dtype)

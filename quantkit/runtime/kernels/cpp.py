@@ -16,10 +16,12 @@ the products are the reference's own).
 do not take, 8-bit weights under fp32 activations, asymmetric or ragged shapes torch refuses, FP8 weights on CPUs
 without AVX512-BF16).
 
-Past GEMV_MAX_ROWS rows (prefill) each of them dequantises the whole weight once into the activation dtype,
-each value formed exactly in fp32 and rounded once (the reference's own bits), into a shared buffer
-(`base.dense_scratch`), and runs one dense GEMM: the product is then the reference's F.linear, at the dense
-model's GEMM speed plus one decode pass over the weight.
+Past GEMV_MAX_ROWS rows (prefill) each of them dequantises the weight into the activation dtype, each value formed
+exactly in fp32 and rounded once (the reference's own bits), for a dense GEMM: `cpu-dequant` the whole weight into a
+shared buffer (`base.dense_scratch`) and the reference's own F.linear (its output exactly); the tile kernels
+`base.PREFILL_CHUNK_ROWS` rows at a time into a buffer that stays in cache, one GEMM per chunk (`chunked_linear` in
+the source: the reference's products, summed in the GEMM's order), at the dense model's GEMM speed plus one decode
+pass over the weight.
 
 The weight stays in its stored bytes (4-bit nibbles, int8 or e4m3: zero-copy views of the checkpoint tensors
 where their layout allows) with fp32 scales and int8 zero points; the kernel decodes it eight weights at a
@@ -40,7 +42,7 @@ import torch
 
 from quantkit.native import CSRC
 from quantkit.quant.activations import quantize_activation
-from quantkit.runtime.kernels.base import (NotSupported, Prepared, act_order, dense_product, dense_scratch, finish, flat, scale_grid,
+from quantkit.runtime.kernels.base import (NotSupported, Prepared, act_order, chunk_scratch, dense_product, dense_scratch, finish, flat, scale_grid,
                                            signed_weight, unsigned_weight, zero_grid)
 
 SOURCE = CSRC / "cpu" / "dequant_gemm.cpp"
@@ -209,6 +211,10 @@ def rows_of(scale: torch.Tensor, row_block: int, n: int) -> torch.Tensor:
     return scale if row_block == 1 else scale.repeat_interleave(row_block, 0)[:n]
 
 
+def _bias(p: Prepared, dtype: torch.dtype) -> torch.Tensor:
+    return _EMPTY_F32 if p.bias is None else p.bias.detach().to(dtype)
+
+
 @dataclass
 class IntTiles(Prepared):
     tiles: torch.Tensor  # uint8 [tiles, K * bits / 32, 64]
@@ -270,9 +276,9 @@ class IntDotKernel(SourceVersion):
             x2 = x2.index_select(1, p.perm)
         zs = p.zscale if p.zscale is not None else _EMPTY_F32
         if x2.shape[0] > GEMV_MAX_ROWS:
-            w = dense_scratch(p.out_features, p.in_features, x2.dtype)
-            extension().dot_weight(p.tiles, p.scale, zs, p.group, self.bits, w)
-            return dense_product(x, x2, w, p)
+            y = extension().dot_prefill(x2.contiguous(), p.tiles, p.scale, zs, p.out_features, p.group, self.bits,
+                                        _bias(p, x2.dtype), chunk_scratch(p.in_features, x2.dtype))
+            return y.reshape(*x.shape[:-1], p.out_features)
         y = extension().dot_linear(x2.contiguous(), p.tiles, p.scale, zs, p.out_features, p.group, self.bits,
                                    dot_isa(), GEMV_MAX_ROWS)
         return finish(y, x, p)
@@ -362,9 +368,9 @@ class Fp8DotKernel(SourceVersion):
         if p.input_args is not None:
             x2 = quantize_activation(x2, p.input_args, p.input_scale, p.input_zero_point)
         if x2.shape[0] > GEMV_MAX_ROWS:
-            w = dense_scratch(p.out_features, p.in_features, x2.dtype)
-            extension().fp8_weight(p.tiles, p.scale, p.group, w)
-            return dense_product(x, x2, w, p)
+            y = extension().fp8_prefill(x2.contiguous(), p.tiles, p.scale, p.out_features, p.group,
+                                        _bias(p, x2.dtype), chunk_scratch(p.in_features, x2.dtype))
+            return y.reshape(*x.shape[:-1], p.out_features)
         y = extension().fp8_linear(x2.contiguous(), p.tiles, p.scale, p.out_features, p.group, fp8_isa(),
                                    GEMV_MAX_ROWS)
         return finish(y, x, p)
