@@ -6,13 +6,15 @@
 // and rounds its result to x's dtype (round to nearest even), so here each step is the fp32 operation followed by
 // that rounding: scale = rnd(absmax / half_range) (eps where zero), v = rnd(x / scale), clamp, q = round-half-even
 // to an integer or to the e4m3 grid (both exact in x's dtype), out = rnd(q * scale). Built without FMA contraction
-// (EXACT_FP_CFLAGS) so no product is fused into a sum torch rounds separately.
+// (EXACT_FP_CFLAGS) so no product is fused into a sum torch rounds separately, and with OpenMP, so rows split over
+// torch's threads as the eager ops' elements do.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -100,7 +102,52 @@ void fake_quant_rows(const T* x, T* out, int64_t r0, int64_t r1, int64_t K, bool
   }
 }
 
+// The int8 codes and scales of the same quantisation (for an int8 x int8 GEMM): codes[r, k] = the q above, scale[r]
+// the row's scale in x's dtype's values.
+template <typename T, bool BF16>
+void codes_rows(const T* x, int8_t* codes, float* scales, int64_t r0, int64_t r1, int64_t K, float qmin, float qmax,
+                float half_range, float eps) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * K;
+    int8_t* c = codes + r * K;
+    float absmax = 0.0f;
+#pragma omp simd reduction(max : absmax)
+    for (int64_t k = 0; k < K; ++k) absmax = std::max(absmax, std::fabs(load<T, BF16>(xr, k)));
+    float scale = rnd<BF16>(absmax / half_range);
+    if (scale == 0.0f) scale = eps;
+    scales[r] = scale;
+#pragma omp simd
+    for (int64_t k = 0; k < K; ++k) {
+      float v = rnd<BF16>(load<T, BF16>(xr, k) / scale);
+      v = std::min(std::max(v, qmin), qmax);
+      c[k] = int8_t(std::nearbyint(v));
+    }
+  }
+}
+
 }  // namespace
+
+// x [M, K] contiguous bf16 or fp32 -> (int8 codes [M, K], fp32 scales [M]) of the dynamic per-token int8 quantisation
+// (qmin / qmax within -128..127).
+std::vector<torch::Tensor> token_codes(const torch::Tensor& x, double qmin, double qmax, double half_range, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32, "x: bf16 or fp32");
+  TORCH_CHECK(qmin >= -128 && qmax <= 127, "codes must fit int8");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto codes = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto scales = torch::empty({M}, x.options().dtype(torch::kFloat32));
+  const float lo = float(qmin), hi = float(qmax), hr = float(half_range), e = float(eps);
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+    if (x.scalar_type() == torch::kBFloat16) {
+      codes_rows<at::BFloat16, true>(x.data_ptr<at::BFloat16>(), codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                                     r0, r1, K, lo, hi, hr, e);
+    } else {
+      codes_rows<float, false>(x.data_ptr<float>(), codes.data_ptr<int8_t>(), scales.data_ptr<float>(), r0, r1, K,
+                               lo, hi, hr, e);
+    }
+  });
+  return {codes, scales};
+}
 
 // x [M, K] contiguous bf16 or fp32 -> its fake-quantised copy (same dtype). fp8: e4m3 grid (qmin/qmax +-448),
 // else integers in [qmin, qmax]; half_range and eps as quantize_activation's scale_from_absmax uses them.
@@ -111,7 +158,7 @@ torch::Tensor fake_quant_token(const torch::Tensor& x, bool fp8, double qmin, do
   const int64_t M = x.size(0), K = x.size(1);
   auto out = torch::empty_like(x);
   const float lo = float(qmin), hi = float(qmax), hr = float(half_range), e = float(eps);
-  // Rows in parallel where the build has threads (it is serial in the calibration build: one row's work is small).
+  // Rows over torch's threads, at least 64K elements each (one decode row runs inline, without waking a team).
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
     if (x.scalar_type() == torch::kBFloat16) {
       fake_quant_rows<at::BFloat16, true>(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), r0, r1, K, fp8,
@@ -126,4 +173,5 @@ torch::Tensor fake_quant_token(const torch::Tensor& x, bool fp8, double qmin, do
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fake_quant_token", &fake_quant_token,
         "dynamic per-token int8 / fp8 e4m3 fake quantisation (quantkit.quant.activations.quantize_activation)");
+  m.def("token_codes", &token_codes, "dynamic per-token int8 codes and scales (quantkit.quant.activations.token_codes)");
 }

@@ -834,6 +834,7 @@ bool cpu_has_bf16();
 #ifdef QK_BF16
 QK_BF16_TARGET void tile8_rows_bf16(const DotArgs& A, int64_t t, int64_t rows, uint16_t* out);
 QK_BF16_TARGET void tile4_rows_bf16(const DotArgs& A, int64_t t, int64_t rows, uint16_t* out);
+QK_BF16_TARGET void tile8_rows_i8(const DotArgs& A, int64_t t, int64_t rows, int8_t* out);
 #endif
 
 // dot_linear's weight (tiles, scale, zscale as there) dequantised into out [N, K].
@@ -1033,6 +1034,18 @@ QK_BF16_TARGET void tile8_rows_bf16(const DotArgs& A, int64_t t, int64_t rows, u
   }
 }
 
+// The 8-bit tiles back to int8 rows [rows, K] (q = u - 128: the top bit flipped), for the int8 x int8 GEMM.
+QK_BF16_TARGET void tile8_rows_i8(const DotArgs& A, int64_t t, int64_t rows, int8_t* out) {
+  const uint8_t* w = A.tiles + t * step_bytes(A);
+  const __m512i flip = _mm512_set1_epi8(int8_t(0x80));
+  for (int64_t k = 0; k < A.K; k += 64) {  // K is a multiple of 64: 16 steps of 4 columns
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(w + (k / 4 + i) * 64);
+    transpose16(r);  // r[j]: row j's 64 columns from k
+    for (int j = 0; j < rows; ++j) _mm512_storeu_si512(out + j * A.K + k, _mm512_xor_si512(r[j], flip));
+  }
+}
+
 // A 4-bit row of a scale group takes 16 values, so its bf16 values form a 16-entry table (built once per group and
 // row, each value formed and rounded as above) and vpermw looks 32 of them up at once; the table is repeated in both
 // halves so the high nibble's lowest bit, which lands in the 5-bit index of the low nibble's lookup, changes nothing.
@@ -1076,12 +1089,21 @@ QK_BF16_TARGET void tile4_rows_bf16(const DotArgs& A, int64_t t, int64_t rows, u
   }
 }
 
+// Per group, each row's 128 e4m3 magnitudes times its scale, rounded once to bf16 (the reference's value; the sign is
+// OR-ed in afterwards, as rounding to nearest even is symmetric and scales are positive), looked up 32 at a time with
+// the GEMV's two-table vpermi2w: a third of the per-value work of widening, multiplying and rounding every value.
 QK_BF16_TARGET void fp8_rows_bf16(const Fp8Args& A, int64_t t, int64_t rows, uint16_t* out) {
   const uint8_t* w = A.tiles + t * fp8_tile_bytes(A);
-  __m512i tab[4];
-  load_e4m3_table(tab);
+  alignas(64) uint16_t scaled[TILE][128];
+  const __m512i sign = _mm512_set1_epi16(int16_t(0x8000)), bit6 = _mm512_set1_epi16(0x40);
   for (int64_t g = 0; g < A.n_groups; ++g) {
     const int64_t k0 = g * A.group, k1 = std::min(A.K, k0 + A.group);
+    for (int j = 0; j < rows; ++j) {
+      const __m512 vs = _mm512_set1_ps(A.scale[(t * A.n_groups + g) * TILE + j]);
+      for (int i = 0; i < 8; ++i)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(scaled[j] + 16 * i),
+                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(e4m3_table + 16 * i), vs)));
+    }
     int64_t k = k0;
     for (; k + 64 <= k1; k += 64) {  // 64 columns: 32 column-pair steps
       __m512i r[16];
@@ -1095,13 +1117,14 @@ QK_BF16_TARGET void fp8_rows_bf16(const Fp8Args& A, int64_t t, int64_t rows, uin
       }
       transpose16(r);  // r[j]: row j's 64 codes from k
       for (int j = 0; j < rows; ++j) {
-        const __m512 vs = _mm512_set1_ps(A.scale[(t * A.n_groups + g) * TILE + j]);
+        const __m512i* tab = reinterpret_cast<const __m512i*>(scaled[j]);
+        const __m512i t0 = _mm512_load_si512(tab), t1 = _mm512_load_si512(tab + 1);
+        const __m512i t2 = _mm512_load_si512(tab + 2), t3 = _mm512_load_si512(tab + 3);
         for (int h = 0; h < 2; ++h) {
-          const __m512i v = e4m3_to_bf16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(r[j], h)), tab);
-          const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-          const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-          _mm512_storeu_si512(out + j * A.K + k + 32 * h,
-                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, vs), _mm512_mul_ps(lo, vs)));
+          const __m512i b = _mm512_cvtepu8_epi16(h ? _mm512_extracti64x4_epi64(r[j], 1) : _mm512_castsi512_si256(r[j]));
+          const __m512i lo = _mm512_permutex2var_epi16(t0, b, t1), hi = _mm512_permutex2var_epi16(t2, b, t3);
+          const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(b, bit6), lo, hi);
+          _mm512_storeu_si512(out + j * A.K + k + 32 * h, _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(b, 8), sign, 0xF8));
         }
       }
     }
@@ -1215,9 +1238,8 @@ void fp8_weight(const at::Tensor& tiles, const at::Tensor& scale, int64_t group,
 // Prefill (more rows than a GEMV serves): y = x @ dequant(W)^T + bias, the weight dequantised `buf` rows at a time
 // (whole 16-row tiles) into a buffer that stays in cache until the GEMM reads it (the whole dequantised layer would go
 // to memory and back: a 5632 x 2048 layer into bf16 took 0.60-0.93 ms whole, 0.32-0.41 ms in 1024-row chunks). Each
-// chunk is one ATen GEMM (oneDNN) computing its rows of y^T = W x^T, so a chunk splits the GEMM's M dimension rather
-// than narrowing its N (measured: 176-row chunks cost +0.6 ms a layer as narrow N, 1024-row chunks as rows of y^T
-// +0.05 ms or nothing); the sums may run in another order than F.linear's (fp32 accumulation either way).
+// chunk is one ATen GEMM (oneDNN) writing its columns of y in place (a strided output the BLAS takes as it is: no
+// copy); the sums may run in another order than one F.linear over the whole weight (fp32 accumulation either way).
 template <typename Dequant>
 at::Tensor chunked_linear(const at::Tensor& x, const at::Tensor& bias, at::Tensor buf, int64_t N, Dequant dequant) {
   TORCH_CHECK(x.dim() == 2 && buf.dim() == 2 && buf.size(1) == x.size(1) && buf.size(0) % TILE == 0 &&
@@ -1225,16 +1247,15 @@ at::Tensor chunked_linear(const at::Tensor& x, const at::Tensor& bias, at::Tenso
               "buf must be contiguous [16 c, K] in x's dtype");
   const int64_t M = x.size(0), n_tiles = (N + TILE - 1) / TILE, chunk = buf.size(0) / TILE;
   const bool has_bias = bias.defined() && bias.numel();
-  at::Tensor yt = at::empty({N, M}, x.options());
-  const at::Tensor xt = x.t();
+  at::Tensor y = at::empty({M, N}, x.options());
   for (int64_t t0 = 0; t0 < n_tiles; t0 += chunk) {
     const int64_t t1 = std::min(n_tiles, t0 + chunk), r0 = t0 * TILE, rows = std::min(N, t1 * TILE) - r0;
-    at::Tensor w = buf.narrow(0, 0, rows), out = yt.narrow(0, r0, rows);
+    at::Tensor w = buf.narrow(0, 0, rows), out = y.narrow(1, r0, rows);
     dequant(t0, t1, w);
-    if (has_bias) at::addmm_out(out, bias.narrow(0, r0, rows).unsqueeze(1), w, xt);
-    else at::mm_out(out, w, xt);
+    if (has_bias) at::addmm_out(out, bias.narrow(0, r0, rows), x, w.t());
+    else at::mm_out(out, x, w.t());
   }
-  return yt.t().contiguous();
+  return y;
 }
 
 at::Tensor dot_prefill(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale, const at::Tensor& zscale,
@@ -1250,6 +1271,37 @@ at::Tensor fp8_prefill(const at::Tensor& x, const at::Tensor& tiles, const at::T
   return chunked_linear(x, bias, buf, N, [&](int64_t t0, int64_t t1, at::Tensor w) {
     fp8_weight(tiles.narrow(0, t0, t1 - t0), scale.narrow(0, t0, t1 - t0), group, w);
   });
+}
+
+// W8A8 prefill: acc = xq @ W^T in int32 (int8 codes both sides, torch._int_mm: oneDNN's VNNI GEMM, measured 0.66x
+// the time of the bf16 GEMM on the 1B Llama's layers), the 8-bit tiles turned back into int8 rows `buf` rows at a
+// time as chunked_linear does. The caller scales acc as torch-int-mm does. AVX512 CPUs only (the tiles' transpose).
+at::Tensor int8_prefill(const at::Tensor& xq, const at::Tensor& tiles, const at::Tensor& scale, int64_t N,
+                        at::Tensor buf) {
+#ifdef QK_BF16
+  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(), "xq: contiguous int8 [M, K]");
+  TORCH_CHECK(buf.dim() == 2 && buf.size(1) == xq.size(1) && buf.size(0) % TILE == 0 && buf.size(0) > 0 &&
+                  buf.scalar_type() == at::kChar && buf.is_contiguous(),
+              "buf must be contiguous int8 [16 c, K]");
+  TORCH_CHECK(cpu_has_bf16(), "int8_prefill needs AVX512");
+  const int64_t M = xq.size(0), K = xq.size(1), n_tiles = (N + TILE - 1) / TILE, chunk = buf.size(0) / TILE;
+  at::Tensor acc = at::empty({M, N}, xq.options().dtype(at::kInt));
+  const at::Tensor symmetric = at::empty({0}, scale.options());
+  for (int64_t t0 = 0; t0 < n_tiles; t0 += chunk) {
+    const int64_t t1 = std::min(n_tiles, t0 + chunk), r0 = t0 * TILE, rows = std::min(N, t1 * TILE) - r0;
+    std::vector<int64_t> group_of_block;
+    const DotArgs A = dot_args(tiles.narrow(0, t0, t1 - t0), scale.narrow(0, t0, t1 - t0), symmetric, rows, K, K, 8,
+                               group_of_block);
+    int8_t* w = buf.data_ptr<int8_t>();
+    at::parallel_for(0, t1 - t0, 1, [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) tile8_rows_i8(A, t, std::min<int64_t>(TILE, rows - t * TILE), w + t * TILE * K);
+    });
+    acc.narrow(1, r0, rows).copy_(at::_int_mm(xq, buf.narrow(0, 0, rows).t()));
+  }
+  return acc;
+#else
+  TORCH_CHECK(false, "int8_prefill needs a compiler with AVX512 intrinsics");
+#endif
 }
 
 bool has_avx2() {
@@ -1271,6 +1323,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dot_weight", &dot_weight, "dequant(W) of dot_linear's tiles into out [N, K] (fp32 / bf16 / fp16)");
   m.def("tile_u4", &tile_u4, "compressed-tensors 4-bit rows -> the dot kernel's tiles");
   m.def("fp8_linear", &fp8_linear, "x @ dequant(W)^T for e4m3 W in 16-row tiles (bf16 x, AVX512-BF16 GEMV)");
+  m.def("int8_prefill", &int8_prefill, "int32 xq @ W^T for 8-bit tiles and int8 activation codes (chunked _int_mm)");
   m.def("dot_prefill", &dot_prefill, "x @ dequant(W)^T + bias for dot_linear's tiles past the GEMV rows (chunked)");
   m.def("fp8_prefill", &fp8_prefill, "x @ dequant(W)^T + bias for fp8_linear's tiles past the GEMV rows (chunked)");
   m.def("fp8_weight", &fp8_weight, "dequant(W) of fp8_linear's tiles into out [N, K] (fp32 / bf16 / fp16)");

@@ -63,23 +63,29 @@ def activation_codes(x: torch.Tensor, args: QuantArgs, input_scale: torch.Tensor
 def fused_extension():
     """The fused per-token fake quantisation (csrc/cpu/act_quant.cpp), or None after one warning where it cannot be
     built; QUANTKIT_EAGER_ACTIVATIONS=1 keeps the eager ops."""
-    from quantkit.native import CSRC, EXACT_FP_CFLAGS, load_cpu_extension
+    from quantkit.native import CSRC, EXACT_FP_CFLAGS, OPENMP_CFLAGS, load_cpu_extension
     from quantkit.progress import warn_once
 
     if os.environ.get("QUANTKIT_EAGER_ACTIVATIONS"):
         return None
-    module, why = load_cpu_extension(CSRC / "cpu" / "act_quant.cpp", EXACT_FP_CFLAGS)
+    # Threaded like the ATen ops it replaces (a prefill block of rows splits over torch's threads; one decode row
+    # runs inline).
+    module, why = load_cpu_extension(CSRC / "cpu" / "act_quant.cpp", EXACT_FP_CFLAGS + OPENMP_CFLAGS)
     if module is None:
         warn_once(f"activation quantisation: {why}; the eager torch ops run instead (slower, same result)")
     return module
 
 
+def _fused_ok(x: torch.Tensor, args: QuantArgs) -> bool:
+    return (args.dynamic and args.strategy == "token" and args.num_bits == 8 and args.type in ("int", "float")
+            and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and x.numel() > 0
+            and not (x.requires_grad and torch.is_grad_enabled()))
+
+
 def _fused(x: torch.Tensor, args: QuantArgs) -> torch.Tensor | None:
     """quantize_activation by the C++ kernel where it applies (dynamic per-token 8-bit, bf16 / fp32 on the CPU,
     no autograd), else None. Same values bit for bit (tests/quant/test_activations.py)."""
-    if not (args.dynamic and args.strategy == "token" and args.num_bits == 8 and args.type in ("int", "float")
-            and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and x.numel()
-            and not (x.requires_grad and torch.is_grad_enabled())):
+    if not _fused_ok(x, args):
         return None
     ext = fused_extension()
     if ext is None:
@@ -89,6 +95,20 @@ def _fused(x: torch.Tensor, args: QuantArgs) -> torch.Tensor | None:
     out = ext.fake_quant_token(x2, args.type == "float", float(args.qmin), float(args.qmax), float(args.half_range),
                                eps)
     return out.reshape(x.shape)
+
+
+def token_codes(x: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token int8 activations as (int8 codes [M, K], fp32 scales [M]) for an int8 x int8 GEMM: x [M, K]
+    quantised as quantize_activation does (its q and scale, the scale's values in x's dtype)."""
+    if not (args.dynamic and args.strategy == "token" and args.type == "int" and args.num_bits == 8):
+        raise ValueError(f"token_codes takes dynamic per-token int8 activations, not {args}")
+    ext = fused_extension() if _fused_ok(x, args) else None
+    if ext is not None:
+        codes, scales = ext.token_codes(x.contiguous(), float(args.qmin), float(args.qmax), float(args.half_range),
+                                        torch.finfo(x.dtype).eps)
+        return codes, scales
+    q, scale, _ = activation_codes(x, args)
+    return q.to(torch.int8), scale.float().reshape(-1)
 
 
 def quantize_activation(x: torch.Tensor, args: QuantArgs, input_scale: torch.Tensor | None = None,

@@ -59,3 +59,16 @@ def test_autograd_inputs_keep_the_eager_ops():
     x = torch.randn(2, 64, requires_grad=True)
     y = quantize_activation(x, INT8)
     assert y.requires_grad  # the fused kernel is no autograd op: eager ran
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "outliers", "zero rows", "tiny", "wide"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_int8_codes_are_the_eager_codes_and_scales(dtype, kind):
+    """token_codes (the int8 x int8 GEMM's inputs) against activation_codes, the eager quantisation's q and scale."""
+    from quantkit.quant.activations import activation_codes, token_codes
+
+    x = _x(kind, (37, 576), dtype, torch.Generator().manual_seed(zlib.crc32(kind.encode())))
+    codes, scales = token_codes(x, INT8)
+    q, scale, _ = activation_codes(x, INT8)
+    assert codes.dtype == torch.int8 and torch.equal(codes, q.to(torch.int8))
+    assert torch.equal(scales, scale.float().reshape(-1))

@@ -224,7 +224,7 @@ def test_prefill_through_the_dense_gemm_matches_the_reference(case, dtype, chunk
     layer, twin = build(dtype), build(dtype)
     dispatch.prepare_layer(layer)
     x = (torch.randn(40, layer.in_features, generator=torch.Generator().manual_seed(3)) * 2).to(dtype)
-    if expected[dtype] in (CPP, W8):
+    if expected[dtype] in (CPP, I8):
         assert torch.equal(layer(x), reference.linear(x, twin))
     else:
         _assert_near_oracle(layer(x), twin, x, case)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.native import CSRC
-from quantkit.quant.activations import quantize_activation
+from quantkit.quant.activations import quantize_activation, token_codes
 from quantkit.runtime.kernels.base import (NotSupported, Prepared, act_order, chunk_scratch, dense_product, dense_scratch, finish, flat, scale_grid,
                                            signed_weight, unsigned_weight, zero_grid)
 
@@ -225,6 +225,7 @@ class IntTiles(Prepared):
     input_args: object = None
     input_scale: torch.Tensor | None = None
     input_zero_point: torch.Tensor | None = None
+    int_mm_scale: torch.Tensor | None = None  # fp32 [out]: W8A8 prefill through int8 x int8 (see Int8DotKernel)
 
 
 class IntDotKernel(SourceVersion):
@@ -266,10 +267,16 @@ class IntDotKernel(SourceVersion):
         offset = float(1 << (self.bits - 1))
         zscale = None if zp is None else tile_grid(scale * (offset + rows_of(zp.float(), row_block, n)))
         return IntTiles(k, n, layer.bias, tiles, tile_grid(scale), zscale, perm, self._group(layer.fmt, k),
-                        layer.fmt.input, getattr(layer, "input_scale", None), getattr(layer, "input_zero_point", None))
+                        layer.fmt.input, getattr(layer, "input_scale", None), getattr(layer, "input_zero_point", None),
+                        self._int_mm_scale(layer.fmt, scale, zp, perm))
+
+    def _int_mm_scale(self, fmt, scale: torch.Tensor, zp, perm) -> torch.Tensor | None:
+        return None
 
     def run(self, x: torch.Tensor, p: IntTiles) -> torch.Tensor:
         x2 = flat(x, p.in_features)
+        if x2.shape[0] > GEMV_MAX_ROWS and p.int_mm_scale is not None:
+            return self._int_mm_prefill(x, x2, p)
         if p.input_args is not None:
             x2 = quantize_activation(x2, p.input_args, p.input_scale, p.input_zero_point)
         if p.perm is not None:
@@ -312,6 +319,24 @@ class Int8DotKernel(IntDotKernel):
 
     def _tiles(self, layer, perm):
         return tile_bytes(unsigned_weight(layer, perm), 4)
+
+    def _int_mm_scale(self, fmt, scale: torch.Tensor, zp, perm) -> torch.Tensor | None:
+        """W8A8 with dynamic per-token int8 activations and symmetric per-channel (or tensor) weights: prefill runs
+        int8 x int8 (torch._int_mm on the tiles turned back into int8 rows, chunk by chunk) and scales the int32 sums
+        by activation scale x weight scale in fp32, as torch-int-mm does, at 0.66x the bf16 GEMM's time (measured
+        on the 1B Llama's layers) instead of dequantising for it. The weight scale per output row, else None."""
+        a = fmt.input
+        if (a is None or not a.dynamic or a.strategy != "token" or a.type != "int" or a.num_bits != 8 or zp is not None
+                or perm is not None or scale.shape[1] != 1 or dot_isa() != ISA_VNNI512 or fp8_isa() != ISA_BF16):
+            return None
+        from quantkit.runtime.kernels.torch_cpu import int_mm_is_exact
+
+        return scale.reshape(-1).contiguous() if int_mm_is_exact() else None
+
+    def _int_mm_prefill(self, x: torch.Tensor, x2: torch.Tensor, p: IntTiles) -> torch.Tensor:
+        codes, a_scale = token_codes(x2, p.input_args)
+        acc = extension().int8_prefill(codes, p.tiles, p.scale, p.out_features, chunk_scratch(p.in_features, torch.int8))
+        return finish(acc.float() * (a_scale.reshape(-1, 1) * p.int_mm_scale), x, p)
 
 
 @functools.cache
