@@ -19,7 +19,17 @@ def kernels_cell(kernels: dict | None) -> str:
 
 
 SPEC_COLUMNS = ("draft", "tree", "temperature", "acceptance_rate", "mean_accepted_length", "tokens_per_s",
-                "plain_tokens_per_s", "speedup", "identical_to_plain", "draft_seconds", "verify_seconds")
+                "plain_tokens_per_s", "speedup", "identical_to_plain", "diverged_prompts", "draft_seconds",
+                "verify_seconds")
+
+
+def _divergence(m: dict) -> str:
+    """Where greedy outputs left plain decoding's, e.g. ' (2 of 8 prompts diverge, first at generated tokens 37, 51)'."""
+    firsts = [d for d in m.get("first_divergence") or [] if d is not None]
+    if not firsts:
+        return ""
+    return f" ({len(firsts)} of {m.get('prompts', '?')} prompts diverge, first at generated tokens " + \
+        ", ".join(map(str, firsts)) + ")"
 
 
 def speculative_rows(report: dict) -> list[tuple[str, dict]]:
@@ -347,7 +357,8 @@ def print_table(console, report: dict) -> None:
     for target, m in speculative_rows(report):
         console.print(f"{target} <- {m['draft']} ({m['tree']}, T={m['temperature']}): acceptance {m['acceptance_rate']}, "
                       f"mean accepted length {m['mean_accepted_length']}, {m['tokens_per_s']} tok/s vs plain "
-                      f"{m['plain_tokens_per_s']} (speed-up {m['speedup']}x), identical to plain: {m['identical_to_plain']}")
+                      f"{m['plain_tokens_per_s']} (speed-up {m['speedup']}x), identical to plain: {m['identical_to_plain']}"
+                      + _divergence(m))
     for r in report["results"]:
         m = r.get("moe")
         if m:

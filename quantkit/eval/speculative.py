@@ -4,7 +4,10 @@ For each target: plain decoding of every prompt (the reference output and the sp
 cache code), then speculative decoding with the draft; acceptance rate (accepted draft tokens over the most
 each step could accept: the tree's depth), mean accepted length (1 + accepted / steps), acceptance per draft
 position, draft and verify time, tokens/s and the speed-up, and whether every greedy output is identical to
-plain decoding.
+plain decoding: per prompt, the first generated token where it is not (`first_divergence`), and how many prompts
+diverge. In fp32 speculative greedy decoding reproduces plain decoding; in bf16 it can diverge without any error in
+acceptance, because verifying k tokens in one k-row forward rounds differently from k one-row steps, and where the top
+two logits are closer than that rounding the argmax flips (then every later token differs too).
 """
 
 from __future__ import annotations
@@ -206,7 +209,9 @@ def run_draft(target_rt, draft, prompts: list[list[int]], opts: SpecOptions, pla
     generated = sum(len(t) for t in outs)
     tps = generated / totals["wall"] if totals["wall"] else 0.0
     plain_tps = plain["generated"] / plain["seconds"] if plain["seconds"] else 0.0
-    identical = all(a == b for a, b in zip(outs, plain["tokens"])) if opts.temperature <= 0 else None
+    # Greedy only (a sampled output is a different draw): where each prompt's output first leaves plain decoding's.
+    divergence = [first_divergence(a, b) for a, b in zip(outs, plain["tokens"])] if opts.temperature <= 0 else None
+    identical = None if divergence is None else all(d is None for d in divergence)
     return {
         "draft": getattr(draft, "name", str(draft)),
         "tree": tree.describe(),
@@ -220,10 +225,21 @@ def run_draft(target_rt, draft, prompts: list[list[int]], opts: SpecOptions, pla
         "plain_tokens_per_s": plain_tps,
         "speedup": tps / plain_tps if plain_tps else 0.0,
         "identical_to_plain": identical,
+        "diverged_prompts": None if divergence is None else sum(d is not None for d in divergence),
+        "first_divergence": divergence,
         "prompts": len(prompts),
         "generated_tokens": generated,
         "outputs": outs,
     }
+
+
+def first_divergence(spec: list[int], plain: list[int]) -> int | None:
+    """The index of the first generated token where `spec` differs from `plain` (the shorter one's length where one
+    is a prefix of the other), or None where they are equal."""
+    for i, (a, b) in enumerate(zip(spec, plain)):
+        if a != b:
+            return i
+    return None if len(spec) == len(plain) else min(len(spec), len(plain))
 
 
 def output_lines(checkpoint: str, outputs: list[list[int]], speculative: bool, draft: str | None = None) -> list[dict]:

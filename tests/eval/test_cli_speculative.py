@@ -53,6 +53,7 @@ def test_greedy_speculative_through_the_cli_reproduces_plain_decoding(tiny_model
     assert all(0 < len(t) <= 12 for t in tokens(plain_file).values())  # 12 new tokens, fewer at an EOS
     result = json.loads(spec.stdout)["results"][0]["speculative"]
     assert result["identical_to_plain"] is True
+    assert result["diverged_prompts"] == 0 and result["first_divergence"] == [None, None]
     assert result["generated_tokens"] == sum(len(t) for t in tokens(plain_file).values())
 
 
@@ -91,3 +92,12 @@ def test_a_bad_draft_is_refused_before_any_model_work(tiny_models, monkeypatch):
     target = tiny_models["llama"]
     _one_line(_eval(target, "--speculative", "nonsense"), "is neither")
     _one_line(_eval(target, "--speculative", "self:W9A9"), "unknown self-draft")
+
+
+def test_first_divergence_points_at_the_first_differing_generated_token():
+    from quantkit.eval.speculative import first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([7], [8, 9]) == 0
+    assert first_divergence([1, 2], [1, 2, 3]) == 2  # one output stopped early (an EOS): they differ from there
