@@ -979,6 +979,14 @@ QK_BF16_TARGET void fp8_tile_bf16(const Fp8Args& A, int64_t t, int64_t m0, float
   fp8_tiles_bf16<1, MB, MB == 1 ? 4 : (MB == 2 ? 2 : 1)>(A, &t, m0, y, ldy);
 }
 
+// The prefill dequantisations read 1 KB of tile bytes per step, sequentially; without a software prefetch the next
+// step's lines arrive from memory while the shuffles wait (measured on 5632 x 2048 int8 layers streaming from DRAM:
+// 0.68 ms, 0.46 ms with this prefetch, against 0.40 ms for the same layer in cache). The GEMVs' distance (16 KB
+// measured the same).
+QK_BF16_TARGET inline void prefetch_ahead(const uint8_t* p) {
+  for (int i = 0; i < 1024; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + i), _MM_HINT_T0);
+}
+
 // Prefill's dequantisation into bf16 rows, vectorised (the scalar tile_rows / fp8 loops cost 3x the bf16 GEMM they
 // feed at 128 rows). Row j of a tile is gathered from its 16 steps (one 4-byte lane per step), formed exactly in
 // fp32 as the scalar paths do and rounded to bf16 by vcvtne2ps2bf16 (round to nearest even, as to_bf16; it
@@ -1013,6 +1021,7 @@ QK_BF16_TARGET void tile8_rows_bf16(const DotArgs& A, int64_t t, int64_t rows, u
     const int64_t k0 = b * A.block, k1 = k0 + block_width(A, b), g = A.group_of_block[b];
     for (int64_t k = k0; k < k1; k += 64) {  // blocks are multiples of 64 columns: 16 steps of 4
       __m512i r[16];
+      prefetch_ahead(w + (k / 4) * 64);
       for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(w + (k / 4 + i) * 64);
       transpose16(r);  // r[j]: row j's 64 columns from k
       for (int j = 0; j < rows; ++j) {
@@ -1040,6 +1049,7 @@ QK_BF16_TARGET void tile8_rows_i8(const DotArgs& A, int64_t t, int64_t rows, int
   const __m512i flip = _mm512_set1_epi8(int8_t(0x80));
   for (int64_t k = 0; k < A.K; k += 64) {  // K is a multiple of 64: 16 steps of 4 columns
     __m512i r[16];
+    prefetch_ahead(w + (k / 4) * 64);
     for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(w + (k / 4 + i) * 64);
     transpose16(r);  // r[j]: row j's 64 columns from k
     for (int j = 0; j < rows; ++j) _mm512_storeu_si512(out + j * A.K + k, _mm512_xor_si512(r[j], flip));
@@ -1068,6 +1078,7 @@ QK_BF16_TARGET void tile4_rows_bf16(const DotArgs& A, int64_t t, int64_t rows, u
   for (int64_t k = 0; k < A.K; k += 128) {  // 16 steps of 8 columns (K is a multiple of 64: a 64-wide last chunk)
     const int n_steps = int(std::min<int64_t>(16, (A.K - k) / 8));
     __m512i r[16];
+    prefetch_ahead(w + (k / 8) * 64);
     for (int i = 0; i < 16; ++i) r[i] = i < n_steps ? _mm512_loadu_si512(w + (k / 8 + i) * 64) : _mm512_setzero_si512();
     transpose16(r);  // r[j] lane i: row j's step i, byte c holding columns 8i + c (low nibble) and 8i + 4 + c (high)
     for (int h = 0; h < n_steps / 8; ++h) {  // 64 columns, inside one group (groups are multiples of 64)
@@ -1107,6 +1118,7 @@ QK_BF16_TARGET void fp8_rows_bf16(const Fp8Args& A, int64_t t, int64_t rows, uin
     int64_t k = k0;
     for (; k + 64 <= k1; k += 64) {  // 64 columns: 32 column-pair steps
       __m512i r[16];
+      prefetch_ahead(w + (k / 2) * 32);
       for (int i = 0; i < 16; ++i) {
         // Steps 2i and 2i + 1 interleaved per row: lane j = row j's columns 4i..4i+3 (the 8-bit tiles' layout).
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k / 2 + 2 * i) * 32));
