@@ -6,8 +6,8 @@
 // zp, so w = (q - zp) * s; `row_block` rows share one scale row (128 for FP8 block scales, N for one
 // tensor-wide scale, 1 otherwise). The weight is never expanded as a whole: small batches decode
 // eight weights at a time straight into FMAs against every row of x (memory-bound decode, so reading 4 or 8
-// bits per weight instead of 16 or 32 is what makes it fast); larger batches get the whole weight
-// dequantised once into their dtype (dq_weight / dot_weight) for one BLAS GEMM.
+// bits per weight instead of 16 or 32 is what makes it fast); larger batches get the weight dequantised into their
+// dtype for the BLAS GEMM (dq_weight whole; the tile kernels chunk by chunk, chunked_linear).
 //
 // Built with AVX2 + FMA + F16C as the baseline (every x86 server since 2013); a scalar path covers ragged
 // tails and the build without AVX2.
@@ -1102,7 +1102,7 @@ QK_BF16_TARGET void tile4_rows_bf16(const DotArgs& A, int64_t t, int64_t rows, u
 
 // Per group, each row's 128 e4m3 magnitudes times its scale, rounded once to bf16 (the reference's value; the sign is
 // OR-ed in afterwards, as rounding to nearest even is symmetric and scales are positive), looked up 32 at a time with
-// the GEMV's two-table vpermi2w: a third of the per-value work of widening, multiplying and rounding every value.
+// the GEMV's two-table vpermi2w: a third of the instructions per value of widening, multiplying and rounding each.
 QK_BF16_TARGET void fp8_rows_bf16(const Fp8Args& A, int64_t t, int64_t rows, uint16_t* out) {
   const uint8_t* w = A.tiles + t * fp8_tile_bytes(A);
   alignas(64) uint16_t scaled[TILE][128];
