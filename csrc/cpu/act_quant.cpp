@@ -73,31 +73,37 @@ inline void store(T* p, int64_t k, float f) {  // f is already on T's grid
   }
 }
 
+// A row's scale: rnd(absmax / half_range), eps where that is zero (scale_from_absmax).
+template <typename T, bool BF16>
+inline float row_scale(const T* xr, int64_t K, float half_range, float eps) {
+  float absmax = 0.0f;
+#pragma omp simd reduction(max : absmax)
+  for (int64_t k = 0; k < K; ++k) absmax = std::max(absmax, std::fabs(load<T, BF16>(xr, k)));
+  const float scale = rnd<BF16>(absmax / half_range);
+  return scale == 0.0f ? eps : scale;
+}
+
+// x / scale in x's dtype, clamped to [qmin, qmax]: the value the integer or e4m3 rounding takes.
+template <typename T, bool BF16>
+inline float scaled(const T* xr, int64_t k, float scale, float qmin, float qmax) {
+  return std::min(std::max(rnd<BF16>(load<T, BF16>(xr, k) / scale), qmin), qmax);
+}
+
 template <typename T, bool BF16>
 void fake_quant_rows(const T* x, T* out, int64_t r0, int64_t r1, int64_t K, bool fp8, float qmin, float qmax,
                      float half_range, float eps) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * K;
     T* orow = out + r * K;
-    float absmax = 0.0f;
-#pragma omp simd reduction(max : absmax)
-    for (int64_t k = 0; k < K; ++k) absmax = std::max(absmax, std::fabs(load<T, BF16>(xr, k)));
-    float scale = rnd<BF16>(absmax / half_range);
-    if (scale == 0.0f) scale = eps;
+    const float scale = row_scale<T, BF16>(xr, K, half_range, eps);
     if (fp8) {
 #pragma omp simd
-      for (int64_t k = 0; k < K; ++k) {
-        float v = rnd<BF16>(load<T, BF16>(xr, k) / scale);
-        v = std::min(std::max(v, qmin), qmax);
-        store<T, BF16>(orow, k, rnd<BF16>(round_e4m3(v) * scale));
-      }
+      for (int64_t k = 0; k < K; ++k)
+        store<T, BF16>(orow, k, rnd<BF16>(round_e4m3(scaled<T, BF16>(xr, k, scale, qmin, qmax)) * scale));
     } else {
 #pragma omp simd
-      for (int64_t k = 0; k < K; ++k) {
-        float v = rnd<BF16>(load<T, BF16>(xr, k) / scale);
-        v = std::min(std::max(v, qmin), qmax);
-        store<T, BF16>(orow, k, rnd<BF16>(std::nearbyint(v) * scale));
-      }
+      for (int64_t k = 0; k < K; ++k)
+        store<T, BF16>(orow, k, rnd<BF16>(std::nearbyint(scaled<T, BF16>(xr, k, scale, qmin, qmax)) * scale));
     }
   }
 }
@@ -110,18 +116,9 @@ void codes_rows(const T* x, int8_t* codes, float* scales, int64_t r0, int64_t r1
   for (int64_t r = r0; r < r1; ++r) {
     const T* xr = x + r * K;
     int8_t* c = codes + r * K;
-    float absmax = 0.0f;
-#pragma omp simd reduction(max : absmax)
-    for (int64_t k = 0; k < K; ++k) absmax = std::max(absmax, std::fabs(load<T, BF16>(xr, k)));
-    float scale = rnd<BF16>(absmax / half_range);
-    if (scale == 0.0f) scale = eps;
-    scales[r] = scale;
+    const float scale = scales[r] = row_scale<T, BF16>(xr, K, half_range, eps);
 #pragma omp simd
-    for (int64_t k = 0; k < K; ++k) {
-      float v = rnd<BF16>(load<T, BF16>(xr, k) / scale);
-      v = std::min(std::max(v, qmin), qmax);
-      c[k] = int8_t(std::nearbyint(v));
-    }
+    for (int64_t k = 0; k < K; ++k) c[k] = int8_t(std::nearbyint(scaled<T, BF16>(xr, k, scale, qmin, qmax)));
   }
 }
 
