@@ -72,3 +72,27 @@ def test_fused_int8_codes_are_the_eager_codes_and_scales(dtype, kind):
     q, scale, _ = activation_codes(x, INT8)
     assert codes.dtype == torch.int8 and torch.equal(codes, q.to(torch.int8))
     assert torch.equal(scales, scale.float().reshape(-1))
+
+
+@pytest.mark.parametrize("vectorised", [True, False], ids=["vectorised", "scalar"])
+@pytest.mark.parametrize("args", [INT8, FP8], ids=["int8", "fp8"])
+def test_every_bf16_mantissa_over_every_scale_mantissa_is_the_eager_ops(args, vectorised):
+    """The AVX-512 rows multiply by 1 / scale where the eager op divides (exact after the rounding to bf16, argued in
+    act_quant.cpp): every pair of bf16 mantissas, x's and the scale's, both signs, over four binades, on both paths
+    of the kernel. The rows' absmax values take every bf16 mantissa, so their scales are every scale a bf16 row can
+    have."""
+    absmax = torch.cat([torch.arange(128, 256) * 2.0 ** e for e in range(-1, 3)])  # every bf16 value in [64, 1024)
+    mantissas = torch.arange(128, 256, dtype=torch.float32)  # x = m * 2^e: every bf16 mantissa
+    body = torch.cat([mantissas * 2.0 ** e for e in (-9, -7, -4, -2)])  # below every row's absmax
+    x = torch.cat([absmax[:, None], body.expand(len(absmax), -1), -body.expand(len(absmax), -1)], 1).to(torch.bfloat16)
+    from quantkit.quant.activations import activation_codes
+
+    q, scale, _ = activation_codes(x, args)
+    ext = fused_extension()
+    got = ext.fake_quant_token(x, args.type == "float", float(args.qmin), float(args.qmax), float(args.half_range),
+                               torch.finfo(x.dtype).eps, vectorised=vectorised)
+    assert torch.equal(got, eager_quantize_activation(x, args))
+    if args.type == "int":
+        codes, scales = ext.token_codes(x, float(args.qmin), float(args.qmax), float(args.half_range),
+                                        torch.finfo(x.dtype).eps, vectorised=vectorised)
+        assert torch.equal(codes, q.to(torch.int8)) and torch.equal(scales, scale.float().reshape(-1))

@@ -55,13 +55,14 @@ GEMV_MAX_ROWS = 16
 @functools.cache
 def source_version() -> str:
     """The hash of the kernels' source and build flags: what a cached timing of them (kernels/choice.py) was
-    measured on."""
+    measured on. The activation quantisation's source counts too: W8A8 and FP8 timings include it."""
     import hashlib
 
-    from quantkit.native import CPU_FLAGS, OPENMP_CFLAGS
+    from quantkit.native import CPU_FLAGS, CSRC, OPENMP_CFLAGS
 
     try:
-        return hashlib.sha256(SOURCE.read_bytes() + " ".join([*CPU_FLAGS, *OPENMP_CFLAGS]).encode()).hexdigest()[:12]
+        src = SOURCE.read_bytes() + (CSRC / "cpu" / "act_quant.cpp").read_bytes()
+        return hashlib.sha256(src + " ".join([*CPU_FLAGS, *OPENMP_CFLAGS]).encode()).hexdigest()[:12]
     except OSError:
         return ""
 
