@@ -96,6 +96,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--skip-rank-check", action="store_true")
     ap.add_argument("--rank-check-only", action="store_true", help="only the rank check (results/mixed_rank.md)")
+    ap.add_argument("--sensitivity-samples", type=int, default=None,
+                    help="recipe quantization.mixed.samples (default: the recipe default)")
+    ap.add_argument("--sensitivity-draws", type=int, default=None,
+                    help="recipe quantization.mixed.draws (default: the recipe default)")
     ap.add_argument("--results", default="mixed", help="results file name (split a long run by --methods)")
     ap.add_argument("--work", type=Path, default=None, help="default benchmarks/.work/<results>")
     args = ap.parse_args()
@@ -120,6 +124,15 @@ def main() -> None:
     quantkit = str(ROOT / ".venv" / "bin" / "quantkit")
     calib = ["--dataset", "kjv", "--num-samples", str(args.calib_samples), "--seq-len", str(args.seq_len),
              "--seed", str(args.seed)]
+    sensitivity = []
+    if args.sensitivity_samples or args.sensitivity_draws:
+        mixed = {k: v for k, v in (("samples", args.sensitivity_samples), ("draws", args.sensitivity_draws)) if v}
+        recipe = args.work / "sensitivity.yaml"
+        recipe.parent.mkdir(parents=True, exist_ok=True)
+        # The recipe needs a complete mixed section; --schemes and --target-bits override these two fields.
+        recipe.write_text(json.dumps({"quantization": {"mixed": {"schemes": ["W4A16:g64"], "target_bits": 4.25,
+                                                                 **mixed}}}))
+        sensitivity = ["--recipe", str(recipe)]
     runs: dict[str, dict] = {}
     for method in args.methods.split(","):
         name = f"uniform W4A16 g64 {method}"
@@ -144,7 +157,8 @@ def main() -> None:
             name = f"mixed {method} set {k}"
             out = args.work / name.replace(" ", "_")
             res = run_measured([quantkit, "quantize", "--model", str(model), "--method", method, "--schemes",
-                                choices, "--target-bits", str(target), *calib, "--output", str(out), "--json"])
+                                choices, "--target-bits", str(target), *calib, *sensitivity,
+                                "--output", str(out), "--json"])
             summary = json.loads(res["stdout"])
             runs[name] = {"wall_s": res["wall_s"], "bits": summary["bits_per_weight"], "path": out, "method": method,
                           "precision": summary["precision"], "set": k}
@@ -164,7 +178,8 @@ def main() -> None:
           f"model `{model.name}`; "
           + "; ".join(f"choice set {k}: `{c}`" for k, c in enumerate(args.choices.split(";"), 1))
           + f"; calibration KJV {args.calib_samples} x {args.seq_len} "
-          f"tokens (the sensitivity pass reads the first 8); held-out {args.heldout_samples} x {args.seq_len} tokens "
+          f"tokens (the sensitivity pass reads the first {args.sensitivity_samples or 8} with "
+          f"{args.sensitivity_draws or 4} draws each); held-out {args.heldout_samples} x {args.seq_len} tokens "
           f"per domain, scored by benchmarks/kl_plain.py (transformers + compressed-tensors); {machine_line(load)}",
           "",
           f"| run | wall s | bits/weight | KL {HELDOUT_KJV} | KL {HELDOUT_PYDOC} | perplexity {HELDOUT_KJV} | "

@@ -186,9 +186,13 @@ def accuracy_rows(path: Path, stem: Path, env: dict, base: Path, runs: dict[str,
     bad = child([str(QK_PY), "-c", CHILD, "reference", str(path)], {**only, "B_DTYPE": "float64", "B_LOGPROBS": str(exact)})
     if "error" in bad:
         return {"quantkit reference fp64": bad}
+    # The kernels in fp32 too: beside the reference in fp32, whether a kernel adds anything to float rounding.
+    kern32 = Path(f"{stem}-auto-fp32.pt")
     extra = {"quantkit reference fp32": child([str(QK_PY), "-c", CHILD, "reference", str(path)],
-                                              {**only, "B_DTYPE": "float32", "B_LOGPROBS": str(ref32)})}
-    for engine, lp in {**runs, "quantkit reference fp32": ref32}.items():
+                                              {**only, "B_DTYPE": "float32", "B_LOGPROBS": str(ref32)}),
+             "quantkit fp32": child([str(QK_PY), "-c", CHILD, "auto", str(path)],
+                                    {**only, "B_DTYPE": "float32", "B_LOGPROBS": str(kern32)})}
+    for engine, lp in {**runs, "quantkit reference fp32": ref32, "quantkit fp32": kern32}.items():
         res = extra.get(engine, engines.get(engine, {}))
         if "error" in res or not lp.is_file():
             continue
@@ -208,7 +212,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every engine this many times, round after round, and keep each one's best: this VM's "
                          "speed drifts by 10-15%% between processes minutes apart, which rounds spread over all engines")
+    ap.add_argument("--accuracy-only", action="store_true",
+                    help="only the SmolLM2 KL rows (logits, no throughput, no llama.cpp)")
     args = ap.parse_args()
+    if args.accuracy_only:
+        args.models = "smollm2"
     args.work.mkdir(parents=True, exist_ok=True)
     smol, tok = prepare_run(None, args.work / "scratch")
     from quantkit.data.calibration import build_token_blocks
@@ -216,7 +224,8 @@ def main() -> None:
     import torch
 
     tokens = save_tokens(build_token_blocks(tok, "kjv", 4, 256, seed=7, split="heldout").input_ids, args.work / "kl.safetensors")
-    env = {"B_PREFILL": str(PREFILL), "B_PROMPT": str(PROMPT), "B_DECODE": str(DECODE), "B_REPEATS": str(REPEATS)}
+    env = {"B_PREFILL": str(PREFILL), "B_PROMPT": str(PROMPT), "B_DECODE": str(DECODE), "B_REPEATS": str(REPEATS),
+           **({"B_LOGPROBS_ONLY": "1"} if args.accuracy_only else {})}
     models, base_lp = {"smollm2": smol}, {}
     if "llama1b" in args.models:
         models["llama1b"] = build_llama_1b(ROOT / "benchmarks" / ".work" / "runtime" / "llama-1b-bf16", smol)
@@ -254,14 +263,14 @@ def main() -> None:
                     timed.append((payload["rows"][-1], *rerun[engine]))
                 print(name, fmt, engine, {k: res.get(k) for k in ("decode_tok_s_b1", "decode_tok_s_b8", "prefill_tok_s",
                                                                    "resident_weight_bytes", "error")}, flush=True)
-        for q, gguf in gguf_files(name, src, args.work).items():
+        for q, gguf in ({} if args.accuracy_only else gguf_files(name, src, args.work)).items():
             cmd = [str(LLAMA_PY), "-c", LLAMA_CHILD, str(gguf), str(PREFILL), str(PROMPT), str(DECODE), str(REPEATS)]
             res = child(cmd)
             payload["rows"].append({"model": name, "format": f"GGUF {q}", "engine": "llama.cpp",
                                     "file_bytes": gguf.stat().st_size, **res})
             timed.append((payload["rows"][-1], cmd, {}))
             print(name, q, "llama.cpp", res, flush=True)
-    for r in range(1, args.rounds):
+    for r in range(1, 1 if args.accuracy_only else args.rounds):
         for row, cmd, cenv in timed:
             res = child(cmd, cenv)
             for key in ("decode_tok_s_b1", "decode_tok_s_b8", "prefill_tok_s"):
@@ -290,8 +299,9 @@ def markdown(payload: dict) -> str:
         res = r.get("resident_weight_bytes")
         kern = ", ".join(f"{k}: {', '.join(v)}" for k, v in (r.get("kernels") or {}).items())
         if "decode_tok_s_b1" not in r:  # logits-only row (accuracy)
-            md.append(f"| {r['model']} | {r['format']} | {r['engine']} | - | - | - | {r['file_bytes'] / 1e6:.0f} | - | - | - | "
-                      f"{f(r.get('kl_vs_exact'), 5)} | {f(r.get('kl_vs_base'), 5)} | |")
+            md.append(f"| {r['model']} | {r['format']} | {r['engine']} | - | - | - | {r['file_bytes'] / 1e6:.0f} | - | - | "
+                      f"{f(r.get('kl_vs_reference'), 5)} | {f(r.get('kl_vs_exact'), 5)} | {f(r.get('kl_vs_base'), 5)} | "
+                      f"{kern} |")
             continue
         md.append(f"| {r['model']} | {r['format']} | {r['engine']} | {f(r.get('decode_tok_s_b1'))} | "
                   f"{f(r.get('decode_tok_s_b8'))} | {f(r.get('prefill_tok_s'))} | {r['file_bytes'] / 1e6:.0f} | "
@@ -299,14 +309,15 @@ def markdown(payload: dict) -> str:
                   f"{f(r.get('kl_vs_reference'), 5)} | {f(r.get('kl_vs_exact'), 5)} | {f(r.get('kl_vs_base'), 5)} | {kern} |")
     md += ["", "KL vs reference: the kernels' logits against the torch reference in the checkpoint's dtype; KL vs exact:"
            " against the reference computed in fp64; KL vs base: against the dense model in fp32 (the accuracy a user"
-           " gets). The `reference fp32` row is the floor: the reference itself, computed in fp32 instead of fp64.",
+           " gets). The `reference fp32` row is the floor: the reference itself, computed in fp32 instead of fp64;"
+           " `quantkit fp32` runs the same kernels on fp32 activations, to set beside it.",
            "", "Ratios (same run):", ""]
     by = {(r["model"], r["format"], r["engine"]): r for r in rows if "error" not in r}
     for model in sorted({r["model"] for r in rows}):
         bf16 = by.get((model, "bf16", "quantkit"))
         for fmt in ("W4A16", "W8A16", "W8A8", "FP8_DYNAMIC"):
             q = by.get((model, fmt, "quantkit"))
-            if not (q and bf16):
+            if not (q and bf16 and q.get("decode_tok_s_b1") and bf16.get("decode_tok_s_b1")):
                 continue
             line = (f"- {model} {fmt}: decode b1 {q['decode_tok_s_b1'] / bf16['decode_tok_s_b1']:.2f}x bf16, "
                     f"b8 {q['decode_tok_s_b8'] / bf16['decode_tok_s_b8']:.2f}x, prefill {q['prefill_tok_s'] / bf16['prefill_tok_s']:.2f}x")
