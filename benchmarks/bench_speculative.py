@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_speculative.py [--prompts 8] [--max-new-tokens 64] [--full]
 
 Targets: SmolLM2 bf16 and its W4A16 GPTQ checkpoint. Drafts: its RTN / GPTQ / AWQ W4A16 checkpoints, `self:W4A8`,
-`self:W4A4`, `ngram`; chains K = 2, 4, 6, a static and a dynamic tree at the same verify budget; greedy and
+`self:W4A4`, the early exits `self:skip:8/16/24`, `ngram` (`--drafts` picks some); chains K = 2, 4, 6, a static and a dynamic tree at the same verify budget; greedy and
 temperature 0.7. `--full` runs every combination on the issue's 32 held-out + 32 chat prompts with 128 new
 tokens (hours on 2 cores); the default is a subset (the first prompts of each kind, fewer tokens) that finishes in
 minutes. Side by side: llama.cpp's prompt-lookup decoding (`llama-cpp-python`'s LlamaPromptLookupDecoding) on the
@@ -73,6 +73,9 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=16)
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "speculative")
+    ap.add_argument("--drafts", default=None, help="comma-separated draft labels to run (default: all)")
+    ap.add_argument("--no-llama", action="store_true", help="leave out llama.cpp's prompt lookup")
+    ap.add_argument("--results", default="speculative", help="results file name (benchmarks/results/NAME.md)")
     args = ap.parse_args()
     model, tok = prepare_run(None, args.work / "scratch")
     import torch
@@ -90,7 +93,15 @@ def main() -> None:
     ckpts = {m: quantize(model, m, args.work / f"w4a16-{m}", args.calib_samples) for m in ("rtn", "gptq", "awq")}
     targets = {"bf16": model, "W4A16 GPTQ": ckpts["gptq"]}
     drafts = {"RTN W4A16": str(ckpts["rtn"]), "GPTQ W4A16": str(ckpts["gptq"]), "AWQ W4A16": str(ckpts["awq"]),
-              "self:W4A8": "self:W4A8", "self:W4A4": "self:W4A4", "ngram": "ngram"}
+              "self:W4A8": "self:W4A8", "self:W4A4": "self:W4A4", "ngram": "ngram",
+              # Early exits: the target's first 8 / 16 / 24 of SmolLM2's 30 layers, no training.
+              "self:skip:8": "self:skip:8", "self:skip:16": "self:skip:16", "self:skip:24": "self:skip:24"}
+    if args.drafts:
+        wanted = args.drafts.split(",")
+        unknown = [d for d in wanted if d not in drafts]
+        if unknown:
+            sys.exit(f"unknown draft label(s) {unknown}; choose from {list(drafts)}")
+        drafts = {d: drafts[d] for d in wanted}
     configs = [("chain", 2), ("chain", 4), ("chain", 6), ("static:2x3", 3), ("dynamic:6", 6)]
     temps = (0.0, 0.7)
     if not args.full:  # the subset: every draft on chain K=4; every tree shape with the best model draft
@@ -101,6 +112,7 @@ def main() -> None:
     else:
         plan = [(t, d, tree, k, T) for t in targets for d in drafts for tree, k in configs for T in temps
                 if not (d == "ngram" and tree.startswith("dynamic"))]
+    plan = [row for row in plan if row[1] in drafts]
     payload = {"cpu": f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs",
                "load_average_before": os.getloadavg(), "prompts": len(chosen), "new_tokens": new_tokens, "rows": []}
     print(payload["cpu"], flush=True)
@@ -112,13 +124,13 @@ def main() -> None:
         print(target, draft, tree, k, T, {x: r.get(x) for x in ("mean_accepted_length", "speedup",
                                                                 "identical_to_plain", "error")}, flush=True)
     gguf = ROOT / "benchmarks" / ".work" / "runtime" / "smollm2-bf16.gguf"
-    if LLAMA_PY.exists() and gguf.is_file():
+    if LLAMA_PY.exists() and gguf.is_file() and not args.no_llama:
         proc = subprocess.run([str(LLAMA_PY), "-c", LLAMA_LOOKUP, str(gguf), str(ids_file), str(new_tokens), "4"],
                               capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         payload["llama_cpp"] = json.loads(line[7:]) if line else {"error": proc.stderr[-300:]}
     payload["load_average_after"] = os.getloadavg()
-    write_results("speculative", payload, markdown(payload))
+    write_results(args.results, payload, markdown(payload))
 
 
 def markdown(payload: dict) -> str:

@@ -457,7 +457,7 @@ def eval_cmd(
     tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Multiple-choice JSONL file(s) or built-in set names ('builtin'); repeatable or comma-separated."),
     lm_eval: Optional[str] = typer.Option(None, "--lm-eval", help="lm-evaluation-harness tasks (comma-separated; needs lm-eval)."),
     throughput: bool = typer.Option(False, "--throughput", help="Measure prefill/decode tokens/s, time to first token, peak memory."),
-    speculative: Optional[str] = typer.Option(None, "--speculative", help="Draft for speculative decoding: a checkpoint folder (same tokenizer), self:W4A8, self:W4A4 (QSPEC) or ngram."),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help="Draft for speculative decoding: a checkpoint folder (same tokenizer), self:W4A8, self:W4A4 (QSPEC), self:skip:N (the first N decoder layers) or ngram."),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="Draft tokens per step (chain length; tree depth)."),
     tree: str = typer.Option("chain", "--tree", help="chain, static:WIDTHxDEPTH, dynamic:NODES (EAGLE-2) or opt:NODES (OPT-Tree)."),
     prompts: str = typer.Option("builtin", "--prompts", help="Prompts for --speculative: builtin (32 held-out KJV + 32 chat) or a .jsonl/.txt file."),

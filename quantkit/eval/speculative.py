@@ -19,7 +19,7 @@ from pathlib import Path
 from quantkit.errors import InputError
 
 BUILTIN_CHAT = Path(__file__).resolve().parents[1] / "builtin" / "prompts" / "chat.jsonl"
-DRAFT_KINDS = "a checkpoint folder, self:W4A8, self:W4A4 or ngram"
+DRAFT_KINDS = "a checkpoint folder, self:W4A8, self:W4A4, self:skip:N or ngram"
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,11 @@ def validate(opts: SpecOptions) -> None:
         raise InputError("--speculative ngram drafts chains and static trees only (--tree chain or static:WxD)")
     # The draft itself, before any model work (a wrong path once surfaced after the whole KL pass)
     if opts.draft and opts.draft.startswith("self:"):
-        from quantkit.runtime.speculative.drafts import SELF_DRAFT_BITS
+        from quantkit.runtime.speculative.drafts import SELF_DRAFT_BITS, SELF_DRAFTS, skip_layers
 
-        if opts.draft.split(":", 1)[1].upper() not in SELF_DRAFT_BITS:
-            raise InputError(f"unknown self-draft {opts.draft!r}; use self:W4A8 or self:W4A4")
+        scheme = opts.draft.split(":", 1)[1]
+        if skip_layers(scheme) is None and scheme.upper() not in SELF_DRAFT_BITS:
+            raise InputError(f"unknown self-draft {opts.draft!r}; use {SELF_DRAFTS}")
     elif opts.draft and opts.draft != "ngram":
         from quantkit.eval.runner import check_checkpoint
 

@@ -45,13 +45,13 @@ PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], [30, 31, 40, 41, 42, 30, 31, 40, 41, 50, 
 
 
 @pytest.mark.parametrize("tree", TREES)
-@pytest.mark.parametrize("kind", ["same", "other", "self:W4A8", "self:W4A4", "ngram"])
+@pytest.mark.parametrize("kind", ["same", "other", "self:W4A8", "self:W4A4", "self:skip:1", "ngram"])
 def test_greedy_equals_the_targets_own_greedy(models, kind, tree):
     target, other = models
     if kind == "ngram" and tree not in ("chain", "static:2x3"):
         pytest.skip("prompt lookup drafts chains and static trees")
     draft = {"same": lambda: ModelDraft(target, "same"), "other": lambda: ModelDraft(other, "other"),
-             "ngram": NgramDraft}.get(kind, lambda: self_draft(target, kind.split(":")[1]))()
+             "ngram": NgramDraft}.get(kind, lambda: self_draft(target, kind.split(":", 1)[1]))()
     cfg = SpecConfig(tree=parse_tree(tree, 3), max_new_tokens=20)
     for prompt in PROMPTS:
         got = speculative_generate(target, draft, prompt, cfg)
@@ -133,6 +133,51 @@ def test_qspec_draft_shares_the_targets_weights_and_cache(models):
     with quantized_activations(target, 4):
         low = step(target, ids, torch.arange(ids.shape[1])[None], KVCache())
     assert not torch.allclose(full, low)
+
+
+def test_early_exit_draft_is_the_truncated_model_on_the_targets_weights_and_cache(models):
+    """self:skip:N against an independently built model of N layers holding the target's first N layers, norm and
+    head: the same logits. It drafts on the target's own cache and hands it back as it was, the later layers'
+    slots never written."""
+    target, _ = models
+    n = 1
+    assert target.config.num_hidden_layers > n
+    config = LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": n})
+    short = LlamaForCausalLM(config).eval()
+    missing, unexpected = short.load_state_dict(target.state_dict(), strict=False)
+    assert not missing and unexpected and all(".layers." in k for k in unexpected)
+    draft = self_draft(target, f"skip:{n}")
+    ids = torch.tensor([PROMPTS[1]])
+    positions = torch.arange(ids.shape[1])[None]
+    from quantkit.runtime.speculative.drafts import early_exit
+
+    with early_exit(target, n):
+        got = step(target, ids, positions, KVCache())
+    with torch.no_grad():
+        expected = short(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert len(target.model.layers) == target.config.num_hidden_layers  # restored
+
+    before = {k: t.data_ptr() for k, t in target.state_dict().items()}
+    cache = KVCache()
+    step(target, ids[:, :-1], positions[:, :-1], cache)
+    kept = [(layer.keys[..., : layer.length, :].clone(), layer.length) for layer in cache.layers]
+    draft.reset(cache)
+    tree = draft.propose(PROMPTS[1], parse_tree("chain", 3), 0.0, None, None)
+    assert len(tree) == 3 and draft.cache is cache and cache.length == ids.shape[1] - 1
+    for (keys, length), layer in zip(kept, cache.layers):
+        assert layer.length == length and torch.equal(layer.keys[..., :length, :], keys)
+    assert {k: t.data_ptr() for k, t in target.state_dict().items()} == before
+
+
+@pytest.mark.parametrize("scheme", ["skip:0", "skip:x", "skip:2", "skip:9"])
+def test_early_exit_draft_needs_fewer_layers_than_the_target(models, scheme):
+    from quantkit.errors import InputError
+
+    target, _ = models
+    assert target.config.num_hidden_layers == 2
+    with pytest.raises(InputError, match="self:skip"):
+        self_draft(target, scheme)
 
 
 def test_acceptance_rule_is_exact_by_enumeration():

@@ -1,10 +1,12 @@
 """Draft sources: another model (any checkpoint with the target's tokenizer), the target itself with quantised
-activations (QSPEC: `self:W4A8`, `self:W4A4`), and prompt lookup (`ngram`).
+activations (QSPEC: `self:W4A8`, `self:W4A4`), the target's first N decoder layers (`self:skip:N`, an early exit:
+its final norm and head read layer N's output), and prompt lookup (`ngram`).
 
 Every source answers `propose(context, spec, temperature, generator, rates) -> DraftTree`. Model drafts grow
 the tree with their own forward passes over a KV cache: a separate draft keeps the committed text in its own
-cache; the QSPEC draft writes into the target's cache and crops it back, so the verify pass rewrites the drafted
-positions at full precision: one copy of the weights, one cache.
+cache; the self drafts write into the target's cache and crop it back, so the verify pass rewrites the drafted
+positions at full precision: one copy of the weights, one cache. The early exit's layers below N compute exactly
+what the target's do, so the target's cached keys and values of the committed text are its own.
 (Medusa / EAGLE heads would be one more source: a class with the same `propose`.)
 """
 
@@ -39,6 +41,29 @@ def _network(model) -> nn.Module:
     return model.model if isinstance(model, RuntimeModel) else model
 
 
+def _decoder_layers(net: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
+    """(parent, attribute, list) of the decoder's layers: the ModuleList of num_hidden_layers blocks."""
+    config = net.config.get_text_config() if hasattr(net.config, "get_text_config") else net.config
+    count = getattr(config, "num_hidden_layers", None)
+    for parent in net.modules():
+        for attr, child in parent.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) == count:
+                return parent, attr, child
+    raise ValueError(f"no list of {count} decoder layers found in {type(net).__name__}")
+
+
+@contextmanager
+def early_exit(model, layers: int):
+    """Only the first `layers` decoder layers run (the list is shortened for the duration); the final norm and
+    the head then read layer `layers`'s output. Cache slots of the later layers are left as they were."""
+    parent, attr, full = _decoder_layers(_network(model))
+    setattr(parent, attr, full[:layers])
+    try:
+        yield
+    finally:
+        setattr(parent, attr, full)
+
+
 @contextmanager
 def quantized_activations(model, bits: int):
     """Every linear inside the decoder layers sees its input fake-quantised per token to `bits`-bit symmetric
@@ -64,14 +89,15 @@ def quantized_activations(model, bits: int):
 
 
 class ModelDraft:
-    """A draft model: `model` with its own cache, or (QSPEC) the target with quantised activations on the target's
-    cache (`activation_bits`, `shares_target_cache`)."""
+    """A draft model: `model` with its own cache, or the target itself on the target's cache (`shares_target_cache`):
+    with quantised activations (QSPEC, `activation_bits`) or through its first `exit_layers` decoder layers."""
 
-    def __init__(self, model, name: str, activation_bits: int | None = None):
+    def __init__(self, model, name: str, activation_bits: int | None = None, exit_layers: int | None = None):
         self.model = model
         self.name = name
         self.activation_bits = activation_bits
-        self.shares_target_cache = activation_bits is not None
+        self.exit_layers = exit_layers
+        self.shares_target_cache = activation_bits is not None or exit_layers is not None
         self.cache = KVCache()
         self._temperature = 1.0
 
@@ -79,6 +105,8 @@ class ModelDraft:
         self.cache = target_cache if self.shares_target_cache else KVCache()
 
     def _mode(self):
+        if self.exit_layers is not None:
+            return early_exit(self.model, self.exit_layers)
         if self.activation_bits is None:
             return _nothing()
         return quantized_activations(self.model, self.activation_bits)
@@ -144,13 +172,37 @@ def _nothing():
 SELF_DRAFT_BITS = {"W4A8": 8, "W4A4": 4, "A8": 8, "A4": 4}  # self:SCHEME -> activation bits of the draft pass
 
 
+SELF_DRAFTS = "self:W4A8, self:W4A4 or self:skip:N (the first N decoder layers)"
+
+
+def skip_layers(scheme: str, num_layers: int | None = None) -> int | None:
+    """N of `skip:N` (None for another scheme); InputError unless 1 <= N < num_layers (when known)."""
+    from quantkit.errors import InputError
+
+    kind, _, n = scheme.partition(":")
+    if kind.lower() != "skip":
+        return None
+    if not n.isdigit() or int(n) < 1:
+        raise InputError(f"self:skip:N needs a positive number of layers, got self:{scheme}")
+    if num_layers is not None and int(n) >= num_layers:
+        raise InputError(f"self:{scheme}: the target has {num_layers} decoder layers; the draft must use fewer")
+    return int(n)
+
+
 def self_draft(model, scheme: str) -> ModelDraft:
-    """QSPEC: `W4A8` / `W4A4` (the target's own weights, activations per token at 8 / 4 bits in the draft pass)."""
+    """QSPEC: `W4A8` / `W4A4` (the target's own weights, activations per token at 8 / 4 bits in the draft pass);
+    `skip:N`: the target's first N decoder layers, then its final norm and head."""
+    from quantkit.errors import InputError
+
+    net = _network(model)
+    config = net.config.get_text_config() if hasattr(net.config, "get_text_config") else net.config
+    layers = skip_layers(scheme, getattr(config, "num_hidden_layers", None))
+    if layers is not None:
+        _decoder_layers(net)  # a model whose layer list cannot be found is refused here, not mid-decode
+        return ModelDraft(model, f"self:skip:{layers}", exit_layers=layers)
     bits = SELF_DRAFT_BITS.get(scheme.upper())
     if bits is None:
-        from quantkit.errors import InputError
-
-        raise InputError(f"unknown self-draft scheme {scheme!r}; use self:W4A8 or self:W4A4")
+        raise InputError(f"unknown self-draft scheme {scheme!r}; use {SELF_DRAFTS}")
     return ModelDraft(model, f"self:{scheme.upper()}", activation_bits=bits)
 
 
