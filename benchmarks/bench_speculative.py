@@ -35,10 +35,12 @@ def quantize(model: Path, method: str, out: Path, samples: int) -> Path:
 
 
 def spec_eval(target: Path, base: Path, draft: str, tree: str, k: int, temperature: float, prompts: Path,
-              new_tokens: int) -> dict:
+              new_tokens: int, draft_vocab: int = 0) -> dict:
     cmd = [QK, "eval", str(target), "--baseline", str(base), "--num-samples", "1", "--seq-len", "32",
            "--speculative", draft, "--tree", tree, "--draft-tokens", str(k), "--prompts", str(prompts),
            "--max-new-tokens", str(new_tokens), "--temperature", str(temperature), "--json"]
+    if draft_vocab and draft != "ngram":
+        cmd += ["--draft-vocab", str(draft_vocab)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "QUANTKIT_NO_PROGRESS": "1"})
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
@@ -75,6 +77,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "speculative")
     ap.add_argument("--drafts", default=None, help="comma-separated draft labels to run (default: all)")
     ap.add_argument("--no-llama", action="store_true", help="leave out llama.cpp's prompt lookup")
+    ap.add_argument("--draft-vocab", default="0",
+                    help="comma-separated --draft-vocab values each model draft runs with (0 = whole vocabulary)")
     ap.add_argument("--results", default="speculative", help="results file name (benchmarks/results/NAME.md)")
     args = ap.parse_args()
     model, tok = prepare_run(None, args.work / "scratch")
@@ -116,12 +120,14 @@ def main() -> None:
     payload = {"cpu": f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs",
                "load_average_before": os.getloadavg(), "prompts": len(chosen), "new_tokens": new_tokens, "rows": []}
     print(payload["cpu"], flush=True)
-    for target, draft, tree, k, T in plan:
+    vocabs = [int(v) for v in args.draft_vocab.split(",")]
+    plan = [(*row, v) for row in plan for v in (vocabs if row[1] != "ngram" else [0])]
+    for target, draft, tree, k, T, vocab in plan:
         if targets[target] == ckpts["gptq"] and draft == "GPTQ W4A16":
             continue  # a model drafting for itself says nothing
-        r = spec_eval(targets[target], model, drafts[draft], tree, k, T, prompt_file, new_tokens)
+        r = spec_eval(targets[target], model, drafts[draft], tree, k, T, prompt_file, new_tokens, vocab)
         payload["rows"].append({"target": target, "draft_label": draft, "tree_spec": tree, "k": k, **r})
-        print(target, draft, tree, k, T, {x: r.get(x) for x in ("mean_accepted_length", "speedup",
+        print(target, draft, vocab or "all", tree, k, T, {x: r.get(x) for x in ("mean_accepted_length", "speedup",
                                                                 "identical_to_plain", "error")}, flush=True)
     gguf = ROOT / "benchmarks" / ".work" / "runtime" / "smollm2-bf16.gguf"
     if LLAMA_PY.exists() and gguf.is_file() and not args.no_llama:
@@ -137,13 +143,15 @@ def markdown(payload: dict) -> str:
     md = ["# Speculative decoding (SmolLM2-135M, CPU)", "", payload["cpu"],
           f"load average before / after: {payload['load_average_before'][0]:.2f} / {payload['load_average_after'][0]:.2f}",
           f"{payload['prompts']} prompts (half held-out KJV, half chat), {payload['new_tokens']} new tokens", "",
-          "| target | draft | tree | T | acceptance | mean accepted length | tok/s | plain tok/s | speed-up | identical to plain |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "| target | draft | draft vocabulary | tree | T | acceptance | mean accepted length | tok/s | plain tok/s | "
+          "speed-up | identical to plain |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
         if "error" in r:
-            md.append(f"| {r['target']} | {r['draft_label']} | {r['tree_spec']} | | error: {r['error']} |||||")
+            md.append(f"| {r['target']} | {r['draft_label']} | | {r['tree_spec']} | | error: {r['error']} |||||")
             continue
-        md.append(f"| {r['target']} | {r['draft_label']} | {r['tree']} | {r['temperature']} | {r['acceptance_rate']:.3f} | "
+        md.append(f"| {r['target']} | {r['draft_label']} | {r.get('draft_vocab') or 'all'} | {r['tree']} | "
+                  f"{r['temperature']} | {r['acceptance_rate']:.3f} | "
                   f"{r['mean_accepted_length']:.2f} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
                   f"{r['speedup']:.2f}x | {r['identical_to_plain']} |")
     if "llama_cpp" in payload:

@@ -459,6 +459,7 @@ def eval_cmd(
     throughput: bool = typer.Option(False, "--throughput", help="Measure prefill/decode tokens/s, time to first token, peak memory."),
     speculative: Optional[str] = typer.Option(None, "--speculative", help="Draft for speculative decoding: a checkpoint folder (same tokenizer), self:W4A8, self:W4A4 (QSPEC), self:skip:N (the first N decoder layers) or ngram."),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="Draft tokens per step (chain length; tree depth)."),
+    draft_vocab: int = typer.Option(0, "--draft-vocab", help="A model draft scores only the N most frequent tokens of --dataset's calibration text (0 = the whole vocabulary; verification always uses all of it)."),
     tree: str = typer.Option("chain", "--tree", help="chain, static:WIDTHxDEPTH, dynamic:NODES (EAGLE-2) or opt:NODES (OPT-Tree)."),
     prompts: str = typer.Option("builtin", "--prompts", help="Prompts for --speculative: builtin (32 held-out KJV + 32 chat) or a .jsonl/.txt file."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens generated per prompt (speculative decoding)."),
@@ -509,7 +510,7 @@ def eval_cmd(
             tensor_parallel_size=tensor_parallel_size, vllm_python=vllm_python, top_logprobs=top_logprobs,
             speculative=SpecOptions(draft=speculative, draft_tokens=draft_tokens, tree=tree, prompts=prompts,
                                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                    grid=speculative_grid, save_outputs=save_outputs),
+                                    grid=speculative_grid, save_outputs=save_outputs, draft_vocab=draft_vocab),
         )
         if offload_cache and not moe:
             raise QuantkitError("--offload-cache needs --moe")

@@ -237,6 +237,9 @@ def run_eval(opts: EvalOptions) -> EvalRun:
         spec_eval.check_context(prompts, spec, read_config_object(base_path))
     data = build_token_blocks(base_tok, opts.dataset, opts.num_samples, opts.seq_len, opts.seed, split="heldout",
                               text_column=opts.text_column)
+    draft_vocab = None
+    if spec.draft and spec.draft_vocab:
+        draft_vocab = spec_eval.frequent_tokens(base_tok, opts.dataset, spec.draft_vocab, opts.seed, opts.text_column)
     ids = data.input_ids
     n_blocks, seq_len = ids.shape
     started = time.perf_counter()
@@ -300,7 +303,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
             row.update(_extras(rt, base_tok, tasks, opts, device, evaluate_task))
             if prompts is not None and not spec.grid:
                 outputs.extend(_speculative_row(row, rt, str(ckpt), base_tok, prompts, spec, compute.dtype, device,
-                                                progress))
+                                                progress, draft_vocab))
             if recorder is not None:
                 from quantkit.eval.moe import analyze_moe
 
@@ -339,7 +342,7 @@ def read_config_object(path: Path):
 
 
 def _speculative_row(row: dict, rt: RuntimeModel, label: str, tokenizer, prompts, spec: SpecOptions, dtype, device,
-                     progress) -> list[dict]:
+                     progress, draft_vocab: torch.Tensor | None = None) -> list[dict]:
     """Plain decoding of the prompts (always: the reference and the speed baseline), then speculative decoding
     with --speculative when given; returns the outputs to save."""
     from quantkit.eval import speculative as spec_eval
@@ -351,6 +354,8 @@ def _speculative_row(row: dict, rt: RuntimeModel, label: str, tokenizer, prompts
     if not spec.draft:
         return spec_eval.output_lines(label, plain["tokens"], speculative=False)
     draft = spec_eval.make_draft(spec.draft, rt, tokenizer, dtype, device, label)
+    if draft_vocab is not None:
+        draft.restrict_vocabulary(draft_vocab)
     task = progress.add_task("speculative", total=len(prompts), info=f"{Path(label).name} <- {spec.draft}")
     result = spec_eval.run_draft(rt, draft, prompts, spec, plain, eos, lambda: progress.advance(task))
     outs = result.pop("outputs")

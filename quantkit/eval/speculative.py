@@ -33,6 +33,7 @@ class SpecOptions:
     seed: int = 0
     grid: bool = False
     save_outputs: Path | None = None
+    draft_vocab: int = 0  # a model draft scores only this many tokens, the calibration text's most frequent (0: all)
 
     @property
     def enabled(self) -> bool:
@@ -49,6 +50,10 @@ def validate(opts: SpecOptions) -> None:
         raise InputError(f"--temperature must be >= 0, got {opts.temperature}")
     if opts.draft and opts.draft.startswith(("medusa:", "eagle:")):
         raise InputError(f"--speculative {opts.draft}: Medusa / EAGLE heads are not supported yet; use {DRAFT_KINDS}")
+    if opts.draft_vocab < 0:
+        raise InputError(f"--draft-vocab must be >= 0 (0: the whole vocabulary), got {opts.draft_vocab}")
+    if opts.draft_vocab and (opts.draft == "ngram" or opts.grid):
+        raise InputError("--draft-vocab applies to a model draft (a checkpoint or self:...), not to ngram or the grid")
     if opts.draft == "ngram" and opts.tree.split(":")[0] not in ("chain", "static"):
         raise InputError("--speculative ngram drafts chains and static trees only (--tree chain or static:WxD)")
     # The draft itself, before any model work (a wrong path once surfaced after the whole KL pass)
@@ -137,6 +142,33 @@ def check_same_tokenizer(target_tok, draft_tok, target: str, draft: str) -> None
                          f"needs the same token ids")
 
 
+DRAFT_VOCAB_BLOCKS = (128, 16, 2)  # 512-token calibration blocks counted for a restricted draft vocabulary: the
+# most the dataset has of these
+
+
+def frequent_tokens(tokenizer, dataset: str, count: int, seed: int, text_column: str | None = None):
+    """The `count` most frequent token ids of the dataset's calibration split (never the held-out text eval scores),
+    the special tokens (end of sequence, chat markers) a generation needs first."""
+    import torch
+
+    from quantkit.data.calibration import build_token_blocks
+
+    for blocks in DRAFT_VOCAB_BLOCKS:
+        try:
+            ids = build_token_blocks(tokenizer, dataset, blocks, 512, seed, split="calibration",
+                                     text_column=text_column).input_ids
+            break
+        except InputError:
+            continue
+    else:
+        raise InputError(f"--draft-vocab: dataset {dataset!r} has fewer than {DRAFT_VOCAB_BLOCKS[-1] * 512} "
+                         "calibration tokens to count")
+    counts = torch.bincount(ids.flatten(), minlength=len(tokenizer))
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
+    counts[special[special < len(counts)]] = counts.max() + 1
+    return torch.sort(torch.topk(counts, min(count, len(counts))).indices).values
+
+
 def make_draft(spec: str, target_rt, target_tok, dtype, device, label: str):
     from quantkit.eval.runner import _tokenizer, check_checkpoint
     from quantkit.runtime.model import load_model
@@ -213,8 +245,10 @@ def run_draft(target_rt, draft, prompts: list[list[int]], opts: SpecOptions, pla
     # Greedy only (a sampled output is a different draw): where each prompt's output first leaves plain decoding's.
     divergence = [first_divergence(a, b) for a, b in zip(outs, plain["tokens"])] if opts.temperature <= 0 else None
     identical = None if divergence is None else all(d is None for d in divergence)
+    vocab = getattr(draft, "vocabulary", None)
     return {
         "draft": getattr(draft, "name", str(draft)),
+        "draft_vocab": None if vocab is None else len(vocab),
         "tree": tree.describe(),
         "temperature": opts.temperature,
         "acceptance_rate": totals["accepted"] / totals["depth"] if totals["depth"] else 0.0,

@@ -92,6 +92,20 @@ def test_a_bad_draft_is_refused_before_any_model_work(tiny_models, monkeypatch):
     target = tiny_models["llama"]
     _one_line(_eval(target, "--speculative", "nonsense"), "is neither")
     _one_line(_eval(target, "--speculative", "self:W9A9"), "unknown self-draft")
+    _one_line(_eval(target, "--speculative", "self:skip:0"), "positive number of layers")
+    _one_line(_eval(target, "--speculative", "ngram", "--draft-vocab", 64), "--draft-vocab applies to a model draft")
+    _one_line(_eval(target, "--speculative", "self:W4A8", "--draft-vocab", -1), "--draft-vocab must be >= 0")
+
+
+def test_early_exit_with_a_restricted_vocabulary_through_the_cli(tiny_models, prompts, tmp_path, text_file):
+    """self:skip:1 scoring the 64 most frequent tokens of the calibration text: greedy output is plain decoding's,
+    and the report says how many tokens the draft scored."""
+    common = ["--prompts", prompts, "--max-new-tokens", 10, "--dataset", text_file]
+    spec = _eval(tiny_models["llama"], *common, "--speculative", "self:skip:1", "--draft-vocab", 64, "--json")
+    assert spec.exit_code == 0, spec.output
+    result = json.loads(spec.stdout)["results"][0]["speculative"]
+    assert result["draft"] == "self:skip:1" and result["draft_vocab"] == 64
+    assert result["identical_to_plain"] is True
 
 
 def test_first_divergence_points_at_the_first_differing_generated_token():

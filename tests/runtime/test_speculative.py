@@ -180,6 +180,53 @@ def test_early_exit_draft_needs_fewer_layers_than_the_target(models, scheme):
         self_draft(target, scheme)
 
 
+VOCAB = torch.tensor([0, 3, 5, 9, 12, 21, 23, 24, 30, 31, 40, 41, 42, 50, 51])
+
+
+@pytest.mark.parametrize("kind", ["other", "self:skip:1"])
+def test_restricted_draft_vocabulary_stays_lossless(models, kind):
+    """A draft scoring only some tokens (zero probability elsewhere) still gives the target's own greedy output."""
+    target, other = models
+    draft = ModelDraft(other, "other") if kind == "other" else self_draft(target, "skip:1")
+    draft.restrict_vocabulary(VOCAB)
+    cfg = SpecConfig(tree=parse_tree("dynamic:6", 3), max_new_tokens=16)
+    for prompt in PROMPTS:
+        got = speculative_generate(target, draft, prompt, cfg)
+        assert got.tokens == _hf_greedy(target, prompt, 16)
+
+
+def test_restricted_draft_distribution_is_the_full_heads_renormalised(models):
+    """The reduced head's distribution equals the full model's logits at those ids, renormalised over them, and
+    is zero at every other id; the full head is back in place afterwards."""
+    _, other = models
+    draft = ModelDraft(other, "other")
+    head = other.get_output_embeddings()
+    draft.restrict_vocabulary(VOCAB)
+    draft.reset(KVCache())
+    tree = draft.propose(PROMPTS[0], parse_tree("chain", 2), 0.0, None, None)
+    assert other.get_output_embeddings() is head and set(tree.tokens) <= set(VOCAB.tolist())
+    with torch.no_grad():
+        logits = other(torch.tensor([PROMPTS[0]])).logits[0, -1].double()
+    expected = torch.zeros_like(logits)
+    expected[VOCAB] = torch.softmax(logits[VOCAB], -1)
+    torch.testing.assert_close(draft.root(), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_restricted_vocabulary_of_a_quantised_head_is_its_rows():
+    """A quantised head restricted to some rows computes what the whole quantised head computes at those rows."""
+    from quantkit.runtime.speculative.drafts import vocabulary_head
+    from tests.runtime.test_kernels import int_layer
+
+    head = int_layer(96, 64, 4, False, 32, dtype=torch.float32)
+    head.bias = None
+    dispatch_model = torch.nn.Module()
+    dispatch_model.get_output_embeddings = lambda: head
+    ids = torch.tensor([1, 7, 8, 40, 95])
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(vocabulary_head(dispatch_model, ids)(x), head(x)[:, ids], rtol=1e-5, atol=1e-5)
+
+
 def test_acceptance_rule_is_exact_by_enumeration():
     """Over every draw of the children (i.i.d. from q, or chosen distinct tokens), the emitted token's exact
     distribution equals p: the residual and ratio formulas are right."""

@@ -12,7 +12,7 @@ what the target's do, so the target's cached keys and values of the committed te
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Protocol
 
 import torch
@@ -88,9 +88,56 @@ def quantized_activations(model, bits: int):
             h.remove()
 
 
+def vocabulary_head(model, ids: torch.Tensor) -> nn.Linear:
+    """The model's output head restricted to the rows `ids`: a dense linear (a quantised head is dequantised, in row
+    blocks, to the dtype of its scales)."""
+    from quantkit.runtime.linear import DenseLinear, QuantLinear
+
+    head = _network(model).get_output_embeddings()
+    ids = ids.to(torch.long)
+    if isinstance(head, QuantLinear):
+        from quantkit.runtime.reference import dequantize_weight
+
+        parts, step = [], 8192
+        for r0 in range(0, head.out_features, step):
+            r1 = min(r0 + step, head.out_features)
+            inside = ids[(ids >= r0) & (ids < r1)]
+            if len(inside):
+                parts.append((inside, dequantize_weight(head, rows=(r0, r1))[inside - r0]))
+        order = torch.argsort(torch.cat([p[0] for p in parts]))
+        weight = torch.cat([p[1] for p in parts])[order]
+        dtype = head.weight_scale.dtype
+    else:
+        weight, dtype = head.weight.detach()[ids], head.weight.dtype
+    bias = getattr(head, "bias", None)
+    small = DenseLinear(weight.shape[1], len(ids), bias=bias is not None, device=weight.device, dtype=dtype)
+    with torch.no_grad():
+        small.weight.copy_(weight)
+        if bias is not None:
+            small.bias.copy_(bias.detach()[ids])
+    small.requires_grad_(False)
+    return small
+
+
+@contextmanager
+def output_head(model, head: nn.Module):
+    """`head` in place of the model's output head for the duration."""
+    net = _network(model)
+    full = net.get_output_embeddings()
+    net.set_output_embeddings(head)
+    try:
+        yield
+    finally:
+        net.set_output_embeddings(full)
+
+
 class ModelDraft:
     """A draft model: `model` with its own cache, or the target itself on the target's cache (`shares_target_cache`):
-    with quantised activations (QSPEC, `activation_bits`) or through its first `exit_layers` decoder layers."""
+    with quantised activations (QSPEC, `activation_bits`) or through its first `exit_layers` decoder layers.
+
+    `restrict_vocabulary(ids)` makes the draft score only those tokens (a head of len(ids) rows instead of the whole
+    vocabulary, which on small models is most of what a draft step reads); its distribution is zero elsewhere, and
+    verification still runs over the target's whole vocabulary, so acceptance stays lossless."""
 
     def __init__(self, model, name: str, activation_bits: int | None = None, exit_layers: int | None = None):
         self.model = model
@@ -100,19 +147,37 @@ class ModelDraft:
         self.shares_target_cache = activation_bits is not None or exit_layers is not None
         self.cache = KVCache()
         self._temperature = 1.0
+        self.vocabulary: torch.Tensor | None = None
+        self._head: nn.Module | None = None
+        self._full_vocab = 0
+
+    def restrict_vocabulary(self, ids: torch.Tensor) -> None:
+        head = _network(self.model).get_output_embeddings()
+        self._full_vocab = head.out_features
+        self.vocabulary = torch.unique(ids.to(torch.long))
+        if int(self.vocabulary.min()) < 0 or int(self.vocabulary.max()) >= self._full_vocab:
+            raise ValueError(f"draft vocabulary ids must lie in [0, {self._full_vocab})")
+        self._head = vocabulary_head(self.model, self.vocabulary)
 
     def reset(self, target_cache: KVCache) -> None:
         self.cache = target_cache if self.shares_target_cache else KVCache()
 
     def _mode(self):
+        stack = ExitStack()
         if self.exit_layers is not None:
-            return early_exit(self.model, self.exit_layers)
-        if self.activation_bits is None:
-            return _nothing()
-        return quantized_activations(self.model, self.activation_bits)
+            stack.enter_context(early_exit(self.model, self.exit_layers))
+        elif self.activation_bits is not None:
+            stack.enter_context(quantized_activations(self.model, self.activation_bits))
+        if self._head is not None:
+            stack.enter_context(output_head(self.model, self._head))
+        return stack
 
     def _dist(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(logits.double() / self._temperature, dim=-1)
+        q = torch.softmax(logits.double() / self._temperature, dim=-1)
+        if self.vocabulary is None:
+            return q
+        full = torch.zeros(self._full_vocab, dtype=q.dtype, device=q.device)
+        return full.index_copy_(0, self.vocabulary.to(q.device), q)
 
     def propose(self, context: list[int], spec: TreeSpec, temperature: float, generator, rates) -> DraftTree:
         self._temperature = temperature if temperature > 0 else 1.0
@@ -162,11 +227,6 @@ class ModelDraft:
             slots.append(self._slots[p])
             p = tree.parents[p]
         return sorted(slots)
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 SELF_DRAFT_BITS = {"W4A8": 8, "W4A4": 4, "A8": 8, "A4": 4}  # self:SCHEME -> activation bits of the draft pass
