@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/bench_speculative.py [--prompts 8] [--max-new-tokens 64] [--full]
 
 Targets: SmolLM2 bf16 and its W4A16 GPTQ checkpoint. Drafts: its RTN / GPTQ / AWQ W4A16 checkpoints, `self:W4A8`,
-`self:W4A4`, the early exits `self:skip:8/16/24`, `ngram` (`--drafts` picks some); chains K = 2, 4, 6, a static and a dynamic tree at the same verify budget; greedy and
-temperature 0.7. `--full` runs every combination on the issue's 32 held-out + 32 chat prompts with 128 new
+`self:W4A4`, the early exits `self:skip:8/16/24`, `ngram` (`--drafts` picks some; `--draft-vocab` runs each model
+draft at the given restricted vocabularies); chains K = 2, 4, 6, a static and a dynamic tree at the same verify
+budget; greedy and temperature 0.7. `--full` runs every combination on the issue's 32 held-out + 32 chat prompts with 128 new
 tokens (hours on 2 cores); the default is a subset (the first prompts of each kind, fewer tokens) that finishes in
 minutes. Side by side: llama.cpp's prompt-lookup decoding (`llama-cpp-python`'s LlamaPromptLookupDecoding) on the
 same prompts, against llama.cpp's own plain decoding (its bf16 GGUF of the model), when benchmarks/.venv-llama exists.

@@ -49,7 +49,9 @@ def _decoder_layers(net: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
         for attr, child in parent.named_children():
             if isinstance(child, nn.ModuleList) and len(child) == count:
                 return parent, attr, child
-    raise ValueError(f"no list of {count} decoder layers found in {type(net).__name__}")
+    from quantkit.errors import InputError
+
+    raise InputError(f"self:skip: no list of {count} decoder layers found in {type(net).__name__}")
 
 
 @contextmanager
@@ -155,8 +157,8 @@ class ModelDraft:
         head = _network(self.model).get_output_embeddings()
         self._full_vocab = head.out_features
         self.vocabulary = torch.unique(ids.to(torch.long))
-        if int(self.vocabulary.min()) < 0 or int(self.vocabulary.max()) >= self._full_vocab:
-            raise ValueError(f"draft vocabulary ids must lie in [0, {self._full_vocab})")
+        if not len(self.vocabulary) or int(self.vocabulary.min()) < 0 or int(self.vocabulary.max()) >= self._full_vocab:
+            raise ValueError(f"a draft vocabulary is a non-empty set of ids in [0, {self._full_vocab})")
         self._head = vocabulary_head(self.model, self.vocabulary)
 
     def reset(self, target_cache: KVCache) -> None:
