@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from common import LLMC_PYTHON, ROOT, ratio, run_measured, save_tokens, write_results, prepare_run
+from common import LLMC_PYTHON, ROOT, machine_line, ratio, run_measured, save_tokens, write_results, prepare_run
 
 
 def try_kl(base: Path, candidate: Path, tokens: Path) -> dict:
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "w8a8_fp8")
     args = ap.parse_args()
 
+    load = {"before": os.getloadavg()[0]}
     model, tok = prepare_run(args.model, args.work)
     from quantkit.data.calibration import build_token_blocks
     calib = build_token_blocks(tok, "kjv", args.calib_samples, args.seq_len, seed=42, split="calibration")
@@ -95,10 +97,11 @@ def main() -> None:
         kl = r["kl"]
         return f"{kl[key]:.5f}" if key in kl else "fails to load"
 
+    load["after"] = os.getloadavg()[0]
     md = [f"# W8A8 (SmoothQuant {args.alpha} + GPTQ) and FP8: quantkit vs llm-compressor", "",
           f"model `{model.name}`; calibration KJV {args.calib_samples} x {args.seq_len} tokens (same ids for both); "
           f"held-out KJV {args.heldout_samples} x {args.seq_len}; KL/perplexity from benchmarks/kl_plain.py "
-          "(transformers + compressed-tensors, fp32).", "",
+          f"(transformers + compressed-tensors, fp32); {machine_line(load)}.", "",
           "| run | wall s | peak RSS MB | held-out KL | perplexity | top-1 agree | KL in quantkit's runtime |",
           "|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
@@ -110,7 +113,8 @@ def main() -> None:
     sq, lsq = (runs[k]["kl"] if k in runs else {} for k in ("qk_sq_gptq_w8a8", "llmc_sq_gptq_w8a8"))
     if "kl_mean" in sq and "kl_mean" in lsq:
         md.append(f"- W8A8 KL quantkit / llm-compressor: {ratio(sq['kl_mean'], lsq['kl_mean'])} "
-                  f"({'no worse' if sq['kl_mean'] <= lsq['kl_mean'] else 'WORSE'})")
+                  f"({'no worse' if sq['kl_mean'] <= lsq['kl_mean'] else 'WORSE'}); wall quantkit / llm-compressor: "
+                  f"{ratio(runs['qk_sq_gptq_w8a8']['wall_s'], runs['llmc_sq_gptq_w8a8']['wall_s'])}")
     qb, lb, ld = runs["qk_fp8_block"], runs["llmc_fp8_block"], runs["llmc_fp8_dynamic"]
     if "error" in lb["kl"]:
         md.append(f"- llm-compressor FP8_BLOCK checkpoint does not run in transformers + compressed-tensors: "
