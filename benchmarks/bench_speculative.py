@@ -144,14 +144,16 @@ def markdown(payload: dict) -> str:
     md = ["# Speculative decoding (SmolLM2-135M, CPU)", "", payload["cpu"],
           f"load average before / after: {payload['load_average_before'][0]:.2f} / {payload['load_average_after'][0]:.2f}",
           f"{payload['prompts']} prompts (half held-out KJV, half chat), {payload['new_tokens']} new tokens", "",
-          "| target | draft | draft vocabulary | tree | T | acceptance | mean accepted length | tok/s | plain tok/s | "
-          "speed-up | identical to plain |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| target | draft | draft vocabulary | draft / target bytes per step | tree | T | acceptance | "
+          "mean accepted length | tok/s | plain tok/s | speed-up | identical to plain |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
         if "error" in r:
-            md.append(f"| {r['target']} | {r['draft_label']} | | {r['tree_spec']} | | error: {r['error']} |||||")
+            md.append(f"| {r['target']} | {r['draft_label']} | | | {r['tree_spec']} | | error: {r['error']} |||||")
             continue
-        md.append(f"| {r['target']} | {r['draft_label']} | {r.get('draft_vocab') or 'all'} | {r['tree']} | "
+        ratio = r.get("draft_bytes_ratio")
+        md.append(f"| {r['target']} | {r['draft_label']} | {r.get('draft_vocab') or 'all'} | "
+                  f"{'-' if ratio is None else f'{ratio:.2f}'} | {r['tree']} | "
                   f"{r['temperature']} | {r['acceptance_rate']:.3f} | "
                   f"{r['mean_accepted_length']:.2f} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
                   f"{r['speedup']:.2f}x | {r['identical_to_plain']} |")

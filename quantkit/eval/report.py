@@ -20,7 +20,14 @@ def kernels_cell(kernels: dict | None) -> str:
 
 SPEC_COLUMNS = ("draft", "tree", "temperature", "acceptance_rate", "mean_accepted_length", "tokens_per_s",
                 "plain_tokens_per_s", "speedup", "identical_to_plain", "diverged_prompts", "draft_seconds",
-                "verify_seconds")
+                "verify_seconds", "draft_bytes_ratio")
+
+
+def _draft_bytes(m: dict) -> str:
+    if m.get("draft_bytes_ratio") is None:
+        return ""
+    return (f"; the draft reads {m['draft_bytes_per_token'] / 1e6:.1f} MB per step, {m['draft_bytes_ratio']:.2f}x "
+            f"the target's {m['target_bytes_per_token'] / 1e6:.1f} MB")
 
 
 def _divergence(m: dict) -> str:
@@ -358,7 +365,7 @@ def print_table(console, report: dict) -> None:
         console.print(f"{target} <- {m['draft']} ({m['tree']}, T={m['temperature']}): acceptance {m['acceptance_rate']}, "
                       f"mean accepted length {m['mean_accepted_length']}, {m['tokens_per_s']} tok/s vs plain "
                       f"{m['plain_tokens_per_s']} (speed-up {m['speedup']}x), identical to plain: {m['identical_to_plain']}"
-                      + _divergence(m))
+                      + _divergence(m) + _draft_bytes(m))
     for r in report["results"]:
         m = r.get("moe")
         if m:

@@ -245,10 +245,18 @@ def run_draft(target_rt, draft, prompts: list[list[int]], opts: SpecOptions, pla
     # Greedy only (a sampled output is a different draw): where each prompt's output first leaves plain decoding's.
     divergence = [first_divergence(a, b) for a, b in zip(outs, plain["tokens"])] if opts.temperature <= 0 else None
     identical = None if divergence is None else all(d is None for d in divergence)
+    from quantkit.runtime.speculative.drafts import weight_bytes_per_token
+
     vocab = getattr(draft, "vocabulary", None)
+    draft_bytes, target_bytes = getattr(draft, "bytes_per_token", None), weight_bytes_per_token(target_rt)
     return {
         "draft": getattr(draft, "name", str(draft)),
         "draft_vocab": None if vocab is None else len(vocab),
+        # What a step reads, draft against target: a draft pays only if it reads far less (batch-1 decode is
+        # bandwidth-bound).
+        "draft_bytes_per_token": draft_bytes,
+        "target_bytes_per_token": target_bytes,
+        "draft_bytes_ratio": draft_bytes / target_bytes if draft_bytes is not None and target_bytes else None,
         "tree": tree.describe(),
         "temperature": opts.temperature,
         "acceptance_rate": totals["accepted"] / totals["depth"] if totals["depth"] else 0.0,

@@ -106,6 +106,9 @@ def test_early_exit_with_a_restricted_vocabulary_through_the_cli(tiny_models, pr
     result = json.loads(spec.stdout)["results"][0]["speculative"]
     assert result["draft"] == "self:skip:1" and result["draft_vocab"] == 64
     assert result["identical_to_plain"] is True
+    # One of two layers and a 64-row head: a fraction of what the target's step reads.
+    assert 0 < result["draft_bytes_per_token"] < result["target_bytes_per_token"]
+    assert result["draft_bytes_ratio"] == pytest.approx(result["draft_bytes_per_token"] / result["target_bytes_per_token"])
 
 
 def test_first_divergence_points_at_the_first_differing_generated_token():

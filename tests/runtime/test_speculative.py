@@ -227,6 +227,26 @@ def test_restricted_vocabulary_of_a_quantised_head_is_its_rows():
         torch.testing.assert_close(vocabulary_head(dispatch_model, ids)(x), head(x)[:, ids], rtol=1e-5, atol=1e-5)
 
 
+def test_draft_bytes_per_token_count_the_layers_and_the_head_a_step_reads(models):
+    """Against sums written here over the modules' own parameters: the target reads every decoder layer and its head,
+    an early exit only its first layers, a restricted vocabulary only its head's rows."""
+    from quantkit.runtime.speculative.drafts import weight_bytes_per_token
+
+    target, _ = models
+
+    def size(*modules):
+        return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+    layers, head = target.model.layers, target.get_output_embeddings()
+    assert weight_bytes_per_token(target) == size(*layers, head)
+    skip = self_draft(target, "skip:1")
+    assert skip.bytes_per_token == size(layers[0], head)
+    skip.restrict_vocabulary(VOCAB)
+    assert skip.bytes_per_token == size(layers[0]) + len(VOCAB) * head.in_features * head.weight.element_size()
+    assert self_draft(target, "W4A8").bytes_per_token == weight_bytes_per_token(target)
+    assert NgramDraft().bytes_per_token == 0
+
+
 def test_acceptance_rule_is_exact_by_enumeration():
     """Over every draw of the children (i.i.d. from q, or chosen distinct tokens), the emitted token's exact
     distribution equals p: the residual and ratio formulas are right."""

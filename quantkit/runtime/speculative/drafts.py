@@ -121,6 +121,22 @@ def vocabulary_head(model, ids: torch.Tensor) -> nn.Linear:
     return small
 
 
+def weight_bytes_per_token(model, exit_layers: int | None = None, head: nn.Module | None = None) -> int | None:
+    """Weight bytes one batch-1 step reads: the decoder layers it runs and the output head (`head` where a draft
+    swaps its own in). The embedding table is read one row per token and norms are a few KB, so neither counts;
+    tied embeddings count once, as the head. None where the decoder's layer list cannot be found."""
+    from quantkit.errors import InputError
+    from quantkit.runtime.model import resident_bytes
+
+    net = _network(model)
+    try:
+        _, _, layers = _decoder_layers(net)
+    except InputError:
+        return None
+    run = list(layers) if exit_layers is None else list(layers[:exit_layers])
+    return resident_bytes(nn.ModuleList([*run, head if head is not None else net.get_output_embeddings()]))
+
+
 @contextmanager
 def output_head(model, head: nn.Module):
     """`head` in place of the model's output head for the duration."""
@@ -163,6 +179,11 @@ class ModelDraft:
 
     def reset(self, target_cache: KVCache) -> None:
         self.cache = target_cache if self.shares_target_cache else KVCache()
+
+    @property
+    def bytes_per_token(self) -> int | None:
+        """Weight bytes one draft step reads (QSPEC reads the target's own: its activations change, not its bytes)."""
+        return weight_bytes_per_token(self.model, self.exit_layers, self._head)
 
     def _mode(self):
         stack = ExitStack()
@@ -274,6 +295,7 @@ class NgramDraft:
 
     name = "ngram"
     shares_target_cache = False
+    bytes_per_token = 0  # no weights
 
     def reset(self, target_cache: KVCache) -> None:
         pass
