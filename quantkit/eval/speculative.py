@@ -213,6 +213,7 @@ def run_draft(target_rt, draft, prompts: list[list[int]], opts: SpecOptions, pla
               progress=None) -> dict:
     """Speculative decoding of every prompt with `draft`; the metrics, keyed as the JSON report keeps them."""
     from quantkit.runtime.speculative import SpecConfig, parse_tree, speculative_generate
+    from quantkit.runtime.speculative.drafts import weight_bytes_per_token
     from quantkit.runtime.speculative.trees import AcceptanceRates
 
     tree = parse_tree(opts.tree, opts.draft_tokens)
@@ -245,8 +246,6 @@ def run_draft(target_rt, draft, prompts: list[list[int]], opts: SpecOptions, pla
     # Greedy only (a sampled output is a different draw): where each prompt's output first leaves plain decoding's.
     divergence = [first_divergence(a, b) for a, b in zip(outs, plain["tokens"])] if opts.temperature <= 0 else None
     identical = None if divergence is None else all(d is None for d in divergence)
-    from quantkit.runtime.speculative.drafts import weight_bytes_per_token
-
     vocab = getattr(draft, "vocabulary", None)
     draft_bytes, target_bytes = getattr(draft, "bytes_per_token", None), weight_bytes_per_token(target_rt)
     return {

@@ -124,7 +124,8 @@ def vocabulary_head(model, ids: torch.Tensor) -> nn.Linear:
 def weight_bytes_per_token(model, exit_layers: int | None = None, head: nn.Module | None = None) -> int | None:
     """Weight bytes one batch-1 step reads: the decoder layers it runs and the output head (`head` where a draft
     swaps its own in). The embedding table is read one row per token and norms are a few KB, so neither counts;
-    tied embeddings count once, as the head. None where the decoder's layer list cannot be found."""
+    tied embeddings count once, as the head. A MoE layer counts every expert (an upper bound: a step reads the routed
+    ones). None where the decoder's layer list cannot be found."""
     from quantkit.errors import InputError
     from quantkit.runtime.model import resident_bytes
 
