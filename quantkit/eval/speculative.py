@@ -158,11 +158,10 @@ def frequent_tokens(tokenizer, dataset: str, count: int, seed: int, text_column:
             ids = build_token_blocks(tokenizer, dataset, blocks, 512, seed, split="calibration",
                                      text_column=text_column).input_ids
             break
-        except InputError:
-            continue
+        except InputError as exc:
+            why = exc  # too little text for this many blocks, or a dataset that cannot be read: its own words
     else:
-        raise InputError(f"--draft-vocab: dataset {dataset!r} has fewer than {DRAFT_VOCAB_BLOCKS[-1] * 512} "
-                         "calibration tokens to count")
+        raise InputError(f"--draft-vocab: {why}")
     counts = torch.bincount(ids.flatten(), minlength=len(tokenizer))
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long)
     counts[special[special < len(counts)]] = counts.max() + 1

@@ -69,9 +69,11 @@ def test_greedy_trees_on_other_architectures(tiny_models, family, tmp_path):
     else:
         folder = tiny_models[family]
     target = AutoModelForCausalLM.from_pretrained(folder).eval()
-    for tree in ("chain", "dynamic:8"):
-        got = speculative_generate(target, self_draft(target, "W4A8"), PROMPTS[1], SpecConfig(parse_tree(tree, 3), 12))
-        assert got.tokens == _hf_greedy(target, PROMPTS[1], 12), (family, tree)
+    for scheme in ("W4A8", "skip:1"):  # the early exit finds the layers where the architecture's adapter puts them
+        for tree in ("chain", "dynamic:8"):
+            got = speculative_generate(target, self_draft(target, scheme), PROMPTS[1],
+                                       SpecConfig(parse_tree(tree, 3), 12))
+            assert got.tokens == _hf_greedy(target, PROMPTS[1], 12), (family, scheme, tree)
 
 
 def test_tree_verification_logits_equal_chain_runs(models):

@@ -42,16 +42,22 @@ def _network(model) -> nn.Module:
 
 
 def _decoder_layers(net: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
-    """(parent, attribute, list) of the decoder's layers: the ModuleList of num_hidden_layers blocks."""
-    config = net.config.get_text_config() if hasattr(net.config, "get_text_config") else net.config
-    count = getattr(config, "num_hidden_layers", None)
-    for parent in net.modules():
-        for attr, child in parent.named_children():
-            if isinstance(child, nn.ModuleList) and len(child) == count:
-                return parent, attr, child
+    """(parent, attribute, list) of the decoder's layers, where the architecture's adapter (the layout the pipeline
+    and the runtime read) puts them."""
     from quantkit.errors import InputError
+    from quantkit.models.loader import _get
+    from quantkit.runtime.model import _generic_adapter
 
-    raise InputError(f"self:skip: no list of {count} decoder layers found in {type(net).__name__}")
+    path = _generic_adapter(getattr(net.config, "model_type", "?")).layers_path
+    parent_path, _, attr = path.rpartition(".")
+    try:
+        parent = _get(net, parent_path) if parent_path else net
+        layers = getattr(parent, attr)
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, nn.ModuleList):
+        raise InputError(f"self:skip: {type(net).__name__} has no decoder layers at {path}")
+    return parent, attr, layers
 
 
 @contextmanager
