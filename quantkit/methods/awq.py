@@ -39,6 +39,10 @@ Options (recipe `quantization.options.awq`):
   n_grid         scale-search grid size (default 20)
   duo_scaling    true (default): s = x^a / w^(1-a); false: s = x^a
   search_tokens  calibration tokens (whole batches) the block losses run on (default 4096)
+  statistics_tokens   calibration tokens (the run's first whole batches, at least search_tokens) the unquantised
+                 statistics pass runs on: mean |x|, the Hessians of the linear losses and the clip search, and the
+                 block-loss samples (default 8192; 0: every token). Every batch still runs through the quantised
+                 layer to feed the next one, so the pass that costs a full forward runs once per layer, not twice.
   loss           "block" (default) or "linear" (every group scored by its linears' outputs via H)
   clip           true (default): AutoAWQ's clip search; false: plain min/max ranges
   clip_grid, clip_max_shrink   shrink grid (default 20, 0.5: p = 1 - k/20 for k < 10)
@@ -83,6 +87,7 @@ class AWQConfig:
     derive: bool = True
     search: str = "grid"
     coarse_step: int = 2
+    statistics_tokens: int = 8192  # 0: every calibration token; else the first batches up to this many
 
     def __post_init__(self) -> None:
         if self.search not in SEARCHES:
@@ -97,6 +102,8 @@ class AWQConfig:
             raise InputError(f"awq clip_max_shrink must be in [0, 1), got {self.clip_max_shrink}")
         if self.search_tokens < 1:
             raise InputError("awq search_tokens must be positive")
+        if self.statistics_tokens < 0:
+            raise InputError("awq statistics_tokens must be 0 (every token) or positive")
 
     @classmethod
     def from_options(cls, options: dict) -> "AWQConfig":
@@ -294,6 +301,12 @@ class AWQ(Method):
         self.only_transform = False
         self.report: list[dict] = []
         self._reset()
+
+    @property
+    def statistics_tokens(self) -> int | None:
+        # The block losses sample the first search_tokens of the same pass, so the pass covers at least those.
+        cfg = self.config
+        return max(cfg.statistics_tokens, cfg.search_tokens) if cfg.statistics_tokens else None
 
     def transform_only(self) -> None:
         """A later method quantises (awq+gptq): scale and fold only."""

@@ -154,6 +154,13 @@ class Method:
         full calibration set (RTN's importance weights come from the few error-measuring samples)."""
         return self.needs_calibration
 
+    @property
+    def statistics_tokens(self) -> int | None:
+        """How many calibration tokens the statistics need: None for all of them (sums a method must see whole,
+        such as GPTQ's Hessian); a number lets a two-pass calibration pass run only the run's first batches up
+        to that many tokens (means and sampled losses: AWQ). The quantised pass always runs every batch."""
+        return None
+
     def attach(self, ctx: LayerContext) -> list[torch.utils.hooks.RemovableHandle]:
         return []
 

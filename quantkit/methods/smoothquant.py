@@ -12,6 +12,7 @@ Options (recipe `quantization.options.smoothquant`):
   alpha     migration strength in [0, 1] (default 0.8); 0 leaves activations alone.
   mappings  "norm" (default): only norm-fed groups, as the SmoothQuant paper and llm-compressor do;
             "all": also linear -> linear pairs (v_proj -> o_proj, up_proj -> down_proj).
+  statistics_tokens  calibration tokens (the run's first whole batches) the absmax observers see (0: every token)
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ ACTIVATION_SCHEMES = ("W8A8", "W8A8_STATIC", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", 
 class SmoothQuantConfig:
     alpha: float = 0.8
     mappings: str = "norm"
+    statistics_tokens: int = 0  # 0: every calibration token; else the run's first batches up to this many
 
     def __post_init__(self) -> None:
+        if self.statistics_tokens < 0:
+            raise InputError("smoothquant statistics_tokens must be 0 (every token) or positive")
         if not (0.0 <= float(self.alpha) <= 1.0):
             raise InputError(f"smoothquant alpha must be in [0, 1], got {self.alpha}")
         if self.mappings not in ("norm", "all"):
@@ -59,6 +63,10 @@ class SmoothQuant(Method):
     # Smoothing only pays off when activations are quantised; for weight-only schemes it moves error into
     # the weights for nothing (AWQ is the weight-only counterpart).
     schemes = ACTIVATION_SCHEMES
+
+    @property
+    def statistics_tokens(self) -> int | None:
+        return self.config.statistics_tokens or None
 
     def __init__(self, scheme, **options):
         super().__init__(scheme, **options)

@@ -240,6 +240,18 @@ class LayerBatches:
     error_batches: int
     ranks: Ranks = SINGLE
     workers: WorkerThreads | None = None  # the one-pass schedule's batch threads, kept for the whole run
+    batch_tokens: int = 0  # tokens in a full batch (0: unknown, every calibration pass covers every batch)
+
+    def for_statistics(self, stage: list[Method], observe: bool) -> list[int]:
+        """The batches a calibration pass for `stage` runs on: every owned batch, unless every method of the
+        stage that gathers statistics says it needs only so many tokens (`Method.statistics_tokens`); then the
+        run's first batches up to that many tokens (the same batches whatever the ranks' split), plus the
+        error-measuring ones. Static activation observers (`observe`) see every batch."""
+        wanted = [m.statistics_tokens for m in stage if m.uses_statistics]
+        if observe or not wanted or None in wanted or self.batch_tokens <= 0:
+            return list(self.owned)
+        first = max(self.error_batches, math.ceil(max(wanted) / self.batch_tokens))
+        return [j for j in self.owned if j < first]
 
     @classmethod
     def local(cls, acts: ActivationStore, calls: Sequence, error_batches: int) -> "LayerBatches":
@@ -299,13 +311,16 @@ def process_layer(
             hooks += [_observe_absmax(ctx, n) for n in observe]
             _set_calibration_mode(layer, needs_stats)
             began = time.perf_counter()
+            passed = batches.for_statistics(stage, bool(observe)) if needs_stats else measured
             with torch.no_grad(), ctx.phase("calibration_pass"):
-                for j in batches.owned if needs_stats else measured:
+                for j in passed:
                     out = run_layer(layer, acts[j], calls[j][ctx.index])
                     if k == 0 and j < batches.error_batches:
                         references[j] = out
                     if on_batch:
                         on_batch()
+            for _ in range(len(batches.owned) - len(passed) if on_batch else 0):
+                on_batch()  # the bar counts the batches this pass leaves out as done
             timings["forward"] += time.perf_counter() - began
             for h in hooks:
                 h.remove()
@@ -427,7 +442,7 @@ def _process_layer_one_pass(layer: nn.Module, ctx: LayerContext, stages: list[li
     for k, stage in enumerate(stages[:-1]):  # transforms (SmoothQuant) calibrate on the whole unquantised layer
         hooks = [h for m in stage for h in m.attach(ctx)]
         with torch.no_grad(), ctx.phase("calibration_pass"):
-            for j in batches.owned:
+            for j in batches.for_statistics(stage, False):
                 out = forward(j)
                 if k == 0 and j in measured:
                     references[j] = out
@@ -1110,7 +1125,8 @@ def _run_layers(run: LayerRun, calib: CalibrationSet, batch_size: int, start: in
         gc.freeze()
         try:
             with WorkerThreads() as workers:
-                _layer_loop(run, progress, LayerBatches(acts, calls, owned, run.error_batches, ranks, workers), start)
+                _layer_loop(run, progress, LayerBatches(acts, calls, owned, run.error_batches, ranks, workers,
+                                                        batch_size * ids.shape[1]), start)
         finally:
             gc.unfreeze()
 

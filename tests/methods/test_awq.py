@@ -313,3 +313,41 @@ def test_search_beats_rtn_and_clip_beats_scale_only_on_real_activations(smollm2_
         hidden = _run(base, hidden, calls, i)
     assert checked == 4
     assert totals["scale"] < totals["rtn"], totals
+
+
+def test_statistics_tokens_equal_a_run_on_the_first_batches_only(tiny_models):
+    """`statistics_tokens`: the statistics pass runs on the run's first batches only, so the layer's quantised
+    weights are exactly those of a run that had only those batches, while every batch still leaves the layer
+    through the quantised pass (its output is the quantised layer's output), and the error is measured as before."""
+    handle, hidden, calls = _inputs(tiny_models["llama"], n=8, seq=16)  # 4 batches of 2 x 16 tokens
+    scheme = get_scheme("W4A16", 32)
+    base = handle.materialize_layer(0, torch.float32)
+    runs = {}
+    for label, n_batches, options in (("first", 4, {"statistics_tokens": 64, "search_tokens": 32}),
+                                      ("only", 2, {"search_tokens": 32})):
+        layer = copy.deepcopy(base)
+        ctx = _ctx(handle, 0, layer, scheme)
+        acts = ActivationStore(None)
+        for j in range(n_batches):
+            acts[j] = hidden[j].clone()
+        batches = LayerBatches.local(acts, calls[:n_batches], error_batches=1)
+        batches.batch_tokens = 2 * 16
+        rel = process_layer(layer, ctx, [AWQ(scheme, **options)], batches)
+        runs[label] = (ctx, layer, acts, rel)
+    (ctx_a, layer_a, acts_a, rel_a), (ctx_b, _, acts_b, rel_b) = runs["first"], runs["only"]
+    assert set(ctx_a.results) == set(ctx_b.results) and ctx_a.results
+    for name in ctx_a.results:
+        assert torch.equal(ctx_a.results[name].q, ctx_b.results[name].q), name
+        assert torch.equal(ctx_a.results[name].scale, ctx_b.results[name].scale), name
+    assert rel_a == rel_b > 0
+    for j in range(2):
+        assert torch.equal(acts_a[j], acts_b[j])
+    with torch.no_grad():
+        for j in (2, 3):  # batches the statistics never saw still pass through the quantised layer
+            assert torch.equal(acts_a[j], run_layer(layer_a, hidden[j], calls[j][0]))
+            assert not torch.equal(acts_a[j], hidden[j])
+    # Fewer tokens than search_tokens would starve the block losses: the pass covers at least those.
+    assert AWQ(scheme, statistics_tokens=16, search_tokens=64).statistics_tokens == 64
+    assert AWQ(scheme, statistics_tokens=0).statistics_tokens is None
+    with pytest.raises(Exception, match="statistics_tokens"):
+        AWQ(scheme, statistics_tokens=-1)

@@ -153,3 +153,41 @@ def test_checkpoint_loads_in_transformers_and_matches_runtime(tmp_path, method, 
     assert sum(rt.formats.values()) == 14
     assert torch.equal(got, ref), (got - ref).abs().max()
     assert 0 < (ref - base).abs().max() < 0.5 * base.abs().max()  # quantised, and still the same model
+
+
+@pytest.mark.parametrize("schedule", ["two-pass", "one-pass"])
+def test_statistics_tokens_smooth_as_a_run_on_the_first_batches_only(tiny_models, schedule):
+    """`statistics_tokens`: the absmax observers see only the run's first batches, so the folded norms are those
+    of a run that had only those batches (GPTQ after it still sees every batch: its weights are not compared),
+    under either schedule; every batch still leaves the layer (W8A8's simulated activations make its output
+    differ from a plain forward, so only that it moved is checked here; AWQ's test checks the output itself)."""
+    import copy
+
+    from quantkit.methods.gptq import GPTQ
+    from quantkit.pipeline.activations import ActivationStore
+    from quantkit.pipeline.engine import LayerBatches, layer_context, process_layer
+
+    handle = open_model(resolve_model(str(tiny_models["llama"])))
+    scheme = get_scheme("W8A8")
+    plan = plan_layers(handle, scheme, ["lm_head"])[0]
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    hidden, calls = capture_layer_inputs(handle, ids, 2, "cpu", torch.float32)  # 4 batches of 2 x 16 tokens
+    base = handle.materialize_layer(0, torch.float32)
+    norms, outs = {}, {}
+    for label, n_batches, options in (("first", 4, {"statistics_tokens": 64}), ("only", 2, {})):
+        layer = copy.deepcopy(base)
+        ctx = layer_context(handle, plan, layer, scheme, torch.float32, torch.float32, False)
+        acts = ActivationStore(None)
+        for j in range(n_batches):
+            acts[j] = hidden[j].clone()
+        batches = LayerBatches.local(acts, calls[:n_batches], error_batches=1)
+        batches.batch_tokens = 2 * 16
+        process_layer(layer, ctx, [SmoothQuant(scheme, **options), GPTQ(scheme)], batches, schedule=schedule)
+        assert ctx.schedule == schedule
+        norms[label] = {n: p.detach().clone() for n, p in layer.named_parameters() if n.endswith("norm.weight")}
+        outs[label] = [acts[j] for j in range(n_batches)]
+        if label == "first":  # a batch the observers never saw still went through the layer
+            assert acts[3].shape == hidden[3].shape and not torch.equal(acts[3], hidden[3])
+    assert norms["first"].keys() == norms["only"].keys() and norms["first"]
+    assert all(torch.equal(norms["first"][n], norms["only"][n]) for n in norms["first"])
+    assert not all(torch.equal(norms["first"][n], base.get_parameter(n)) for n in norms["first"])

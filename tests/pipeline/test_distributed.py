@@ -81,6 +81,26 @@ def test_two_ranks_write_the_bytes_of_one_process(tiny_models, tmp_path, family,
             (tmp_path / "single" / "routing_profile.json").read_bytes()
 
 
+def test_statistics_on_the_first_batches_only_write_the_bytes_of_one_process(tiny_models, tmp_path):
+    """AWQ's statistics_tokens takes the run's first batches, whichever rank holds them: here only rank 0's first
+    batch, so rank 1 gathers no statistics at all and still ends with the bytes of one process."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("quantization:\n  method: awq\n  options:\n    awq:\n      statistics_tokens: 2048\n"
+                      "      search_tokens: 1024\n")
+    model = tiny_models["llama"]
+    args = lambda out: _quantize_args(model, "awq", out, "--recipe", str(recipe))  # noqa: E731
+    single = _single(args(tmp_path / "single"))
+    assert single.returncode == 0, single.stderr
+    full = _single(_quantize_args(model, "awq", tmp_path / "all"))
+    assert full.returncode == 0, full.stderr
+    proc = _torchrun(args(tmp_path / "dp"))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["distributed"]["batches_per_rank"] == [2, 2]
+    assert _digests(tmp_path / "dp") == _digests(tmp_path / "single")
+    assert _digests(tmp_path / "all") != _digests(tmp_path / "single")  # the subset did change the statistics
+
+
 def _children(pid: int) -> list[int]:
     kids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
