@@ -50,10 +50,18 @@ def main() -> None:
     ap.add_argument("--awq-option", action="append", default=[], metavar="KEY=VALUE",
                     help="quantkit AWQ option (recipe quantization.options.awq; YAML value), e.g. search=coarse-fine")
     ap.add_argument("--skip-llmc", action="store_true", help="leave llm-compressor out (quantkit's rows only)")
+    ap.add_argument("--skip-rtn", action="store_true", help="leave quantkit's RTN row out (saves its two KL runs)")
     ap.add_argument("--results", default=None, help="results file name (default awq_<scheme>_g<group>)")
     ap.add_argument("--reuse-llmc", action="store_true", help="reuse llm-compressor's checkpoint and timing from --work")
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "awq")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE,...",
+                    help="extra quantkit AWQ run in the same run with these awq options on top of --awq-option, e.g. "
+                         "before=statistics_tokens=0,search=grid (repeatable): a row and a phase column each")
     args = ap.parse_args()
+    if args.variant and args.skip_llmc:
+        ap.error("--variant rows are reported beside llm-compressor's: drop --skip-llmc")
+    if args.skip_rtn and args.skip_llmc:
+        ap.error("--skip-llmc reports quantkit's AWQ beside its RTN: drop --skip-rtn")
 
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer
@@ -72,19 +80,29 @@ def main() -> None:
     common = ["--model", str(model), "--scheme", args.scheme, "--group-size", str(args.group_size), "--dataset", "kjv",
               "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--seed", "42", "--overwrite", "--json"]
     loads = {"before": _load()}
-    recipe = []
-    if args.awq_option:
+    def recipe_for(name: str, options: list[str]) -> list[str]:
+        if not options:
+            return []
         import yaml
 
         text = yaml.safe_load((ROOT / "recipes" / "awq-w4a16.yaml").read_text())
         text["quantization"]["options"]["awq"].update(
-            {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.awq_option)})
-        (args.work / "recipe.yaml").write_text(yaml.safe_dump(text))
-        recipe = ["--recipe", str(args.work / "recipe.yaml")]
-    qk = run_measured([quantkit, "quantize", *recipe, "--method", "awq", "--output", str(args.work / "quantkit"),
-                       *common])
+            {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in options)})
+        (args.work / f"recipe{name}.yaml").write_text(yaml.safe_dump(text))
+        return ["--recipe", str(args.work / f"recipe{name}.yaml")]
+
+    qk = run_measured([quantkit, "quantize", *recipe_for("", args.awq_option), "--method", "awq", "--output",
+                       str(args.work / "quantkit"), *common])
+    variants = {}
+    for spec in args.variant:
+        name, _, opts = spec.partition("=")
+        out = args.work / f"quantkit-{name}"
+        variants[name] = {**run_measured([quantkit, "quantize", *recipe_for(f"-{name}", args.awq_option + opts.split(",")),
+                                          "--method", "awq", "--output", str(out), *common]),
+                          "options": opts, "out": out}
     loads["after_quantkit"] = _load()
-    rtn = run_measured([quantkit, "quantize", "--method", "rtn", "--output", str(args.work / "quantkit-rtn"), *common])
+    rtn = None if args.skip_rtn else run_measured([quantkit, "quantize", "--method", "rtn", "--output",
+                                                    str(args.work / "quantkit-rtn"), *common])
     llmc_json = args.work / "llmc_result.json"
     if args.skip_llmc:
         llmc = None
@@ -98,7 +116,7 @@ def main() -> None:
         llmc_json.write_text(json.dumps(llmc, indent=2))
     loads["after_llmc"] = _load()
     kl_qk = {k: kl_plain(model, args.work / "quantkit", f) for k, f in evals.items()}
-    kl_rtn = {k: kl_plain(model, args.work / "quantkit-rtn", f) for k, f in evals.items()}
+    kl_rtn = None if rtn is None else {k: kl_plain(model, args.work / "quantkit-rtn", f) for k, f in evals.items()}
     if llmc is None:
         md = [f"# AWQ {args.scheme} g{args.group_size}, quantkit only (options: {', '.join(args.awq_option) or 'defaults'})",
               "", f"1-min load average: {loads}; torch CPU capability {_capability()}", "",
@@ -114,6 +132,8 @@ def main() -> None:
                        "quantkit_rtn": {**rtn, "stdout": None, "stderr": None, "kl": kl_rtn}}, "\n".join(md) + "\n")
         return
     kl_llmc = {k: kl_plain(model, args.work / "llmcompressor", f) for k, f in evals.items()}
+    for v in variants.values():
+        v["kl"] = {k: kl_plain(model, v["out"], f) for k, f in evals.items()}
 
     rows = comparison_rows(qk, llmc, kl_qk, kl_llmc)
     md = [f"# AWQ {args.scheme} g{args.group_size}: quantkit vs llm-compressor", "",
@@ -123,15 +143,32 @@ def main() -> None:
           f"1-min load average: {loads} (shared machine; wall times are only comparable within one run).", "",
           "| metric | quantkit awq | llm-compressor awq | quantkit / llm-compressor |", "|---|---|---|---|"]
     md += [f"| {name} | {a:.4f} | {b:.4f} | {ratio(a, b)} |" for name, a, b in rows]
-    md += ["", f"quantkit RTN (same scheme): KL {kl_rtn[HELDOUT_KJV]['kl_mean']:.4f} (KJV) / "
-               f"{kl_rtn[HELDOUT_PYDOC]['kl_mean']:.4f} (pydoc), wall {rtn['wall_s']:.1f} s."]
+    if rtn is not None:
+        md += ["", f"quantkit RTN (same scheme): KL {kl_rtn[HELDOUT_KJV]['kl_mean']:.4f} (KJV) / "
+                   f"{kl_rtn[HELDOUT_PYDOC]['kl_mean']:.4f} (pydoc), wall {rtn['wall_s']:.1f} s."]
     phases = json.loads(qk["stdout"]).get("phase_seconds", {})
     md += ["", "quantkit awq seconds per phase: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
            + f"; options: {', '.join(args.awq_option) or 'defaults'}; torch CPU capability {_capability()}"]
+    if variants:
+        md += ["", "Other quantkit AWQ runs in the same run (options on top of the above):", "",
+               "| run | options | wall (s) | / llm-compressor | peak RSS (MB) | KL kjv held-out | KL pydoc |",
+               "|---|---|---|---|---|---|---|"]
+        for name, v in variants.items():
+            md.append(f"| {name} | {v['options']} | {v['wall_s']:.1f} | {ratio(v['wall_s'], llmc['wall_s'])} | "
+                      f"{v['peak_rss_bytes'] / 1e6:.0f} | {v['kl'][HELDOUT_KJV]['kl_mean']:.4f} | "
+                      f"{v['kl'][HELDOUT_PYDOC]['kl_mean']:.4f} |")
+        columns = {"default": phases, **{n: json.loads(v["stdout"]).get("phase_seconds", {}) for n, v in variants.items()}}
+        names = sorted({k for p in columns.values() for k in p})
+        md += ["", "Seconds per phase (quantkit's manifest, summed over layers):", "",
+               "| phase | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        md += [f"| {k} | " + " | ".join(f"{p.get(k, 0.0):.1f}" for p in columns.values()) + " |" for k in names]
     write_results(args.results or f"awq_{args.scheme.lower()}_g{args.group_size}",
                   {"options": args.awq_option, "phases": phases, "quantkit": {**qk, "stdout": None, "stderr": None, "kl": kl_qk},
-                   "quantkit_rtn": {**rtn, "stdout": None, "stderr": None, "kl": kl_rtn},
-                   "llmcompressor": {**llmc, "stdout": None, "stderr": None, "kl": kl_llmc}, "load": loads},
+                   "quantkit_rtn": None if rtn is None else {**rtn, "stdout": None, "stderr": None, "kl": kl_rtn},
+                   "llmcompressor": {**llmc, "stdout": None, "stderr": None, "kl": kl_llmc}, "load": loads,
+                   "variants": {n: {**v, "stdout": None, "stderr": None, "out": str(v["out"]),
+                                    "phases": json.loads(v["stdout"]).get("phase_seconds", {})}
+                                for n, v in variants.items()}},
                   "\n".join(md) + "\n")
 
 

@@ -41,15 +41,15 @@ Options (recipe `quantization.options.awq`):
   search_tokens  calibration tokens (whole batches) the block losses run on (default 4096)
   statistics_tokens   calibration tokens (the run's first whole batches, at least search_tokens) the unquantised
                  statistics pass runs on: mean |x|, the Hessians of the linear losses and the clip search, and the
-                 block-loss samples (default 8192; 0: every token). Every batch still runs through the quantised
+                 block-loss samples (default 4096; 0: every token). Every batch still runs through the quantised
                  layer to feed the next one, so the pass that costs a full forward runs once per layer, not twice.
   loss           "block" (default) or "linear" (every group scored by its linears' outputs via H)
   clip           true (default): AutoAWQ's clip search; false: plain min/max ranges
   clip_grid, clip_max_shrink   shrink grid (default 20, 0.5: p = 1 - k/20 for k < 10)
   clip_skip      regexes of layer-local names excluded from the clip search (default q/k projections)
   derive         derive norm -> linears mappings the adapter lacks (default true)
-  search         "grid" (default: every ratio of the grid) or "coarse-fine" (every coarse_step-th ratio, default 2,
-                 then the grid between the best one's neighbours; see search_grid)
+  search         "coarse-fine" (default: every coarse_step-th ratio, default 4, then the grid between the best one's
+                 neighbours, 12 block evaluations instead of 21; see search_grid) or "grid" (every ratio of the grid)
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ class AWQConfig:
     clip_max_shrink: float = 0.5
     clip_skip: tuple[str, ...] = CLIP_SKIP
     derive: bool = True
-    search: str = "grid"
-    coarse_step: int = 2
-    statistics_tokens: int = 8192  # 0: every calibration token; else the first batches up to this many
+    search: str = "coarse-fine"
+    coarse_step: int = 4
+    statistics_tokens: int = 4096  # 0: every calibration token; else the first batches up to this many
 
     def __post_init__(self) -> None:
         if self.search not in SEARCHES:
