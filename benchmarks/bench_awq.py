@@ -80,6 +80,7 @@ def main() -> None:
     common = ["--model", str(model), "--scheme", args.scheme, "--group-size", str(args.group_size), "--dataset", "kjv",
               "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--seed", "42", "--overwrite", "--json"]
     loads = {"before": _load()}
+
     def recipe_for(name: str, options: list[str]) -> list[str]:
         if not options:
             return []
