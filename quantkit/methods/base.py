@@ -183,6 +183,27 @@ class Method:
     def apply(self, ctx: LayerContext) -> None:
         raise NotImplementedError
 
+    # A transform stage the one-pass schedule can run inside its grouped pass (engine._process_layer_one_pass)
+    # instead of in a calibration pass of its own: it changes only how a module's output feeds one group of linears.
+    def group_sources(self, ctx: LayerContext) -> dict[str, list[str]] | None:
+        """{module name: the linears its output feeds} that `transform_group` acts on, after `attach`; None where
+        this method needs a pass of its own. The engine checks on its probe forward that each module's output is
+        exactly the input of that group."""
+        return None
+
+    def transform_group(self, ctx: LayerContext, names: list[str]) -> torch.Tensor | None:
+        """Transform the group `names` from the statistics its batches recorded so far, leaving the layer's
+        function unchanged, and return s such that the group's input is now x / s (per input channel); None when
+        nothing changed. The engine divides the paused batches' inputs by s."""
+        return None
+
+    # Whether `rescale_input_statistics` can follow such a transform (methods without statistics need nothing).
+    rescales_inputs: ClassVar[bool] = False
+
+    def rescale_input_statistics(self, leader: str, s: torch.Tensor) -> None:
+        """The statistics gathered on the input x of `leader`'s group must now describe x / s: a transform fused into
+        the grouped pass changed that input after they were recorded and before this method applies."""
+
 
 class SharedInputs:
     """Which linears read the same input tensor (q/k/v, gate/up, a MoE block's input): each linear maps to its

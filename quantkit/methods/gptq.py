@@ -492,6 +492,14 @@ class GPTQ(Method):
         zp = None if args.symmetric else r.zero_point[0].round().to(torch.int8)
         return stored_weight(r.q[0], r.scale[0], zp, args, None, weight_dtype, gs)
 
+    rescales_inputs = True
+
+    def rescale_input_statistics(self, leader: str, s: torch.Tensor) -> None:
+        # sum (x/s)(x/s)^T = D^-1 (sum x x^T) D^-1 with D = diag(s), entry by entry (upper blocks included).
+        if leader in self._sums:
+            inv = s.to(device=self._sums[leader].device, dtype=torch.float64).reciprocal()
+            self._sums[leader].mul_(inv[:, None] * inv[None, :])
+
     def reduce_statistics(self, ranks) -> None:
         self._sums = ranks.reduce(self._sums, "sum")
         names = sorted(set(self._tokens) | set(self._bad_batches))

@@ -5,8 +5,11 @@ and experts included), the calibration pass records the per-channel absmax of th
 s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) (W: the group's quantised weights, stacked) is folded into the
 source (X_j / s_j) and the targets (W[:, j] * s_j). The layer computes the same function, but the
 activations the consumer quantises per token have a flatter channel profile. A pure transform: a quantiser
-follows (`smoothquant` alone means `smoothquant+rtn`; `smoothquant+gptq` runs GPTQ on the smoothed layer,
-whose Hessian the engine collects in a second pass after the smoothing).
+follows (`smoothquant` alone means `smoothquant+rtn`; `smoothquant+gptq` runs GPTQ on the smoothed layer). Under
+the one-pass schedule norm-fed groups smooth inside the grouped pass: when every batch has reached a group, its
+scales are folded, the paused inputs divided by them and GPTQ's Hessian rescaled to match, so no batch runs the
+layer a second time for these statistics (the groups after the first see the earlier groups quantised, as GPTQ's
+own statistics do). Linear sources and `statistics_tokens` keep a calibration pass of their own.
 
 Options (recipe `quantization.options.smoothquant`):
   alpha     migration strength in [0, 1] (default 0.8); 0 leaves activations alone.
@@ -102,16 +105,34 @@ class SmoothQuant(Method):
         self._absmax = {int(k): a for k, a in reduced.items()}
 
     def apply(self, ctx: LayerContext) -> None:
-        for k, m in enumerate(self._mappings):
-            act = self._absmax.get(k)
-            if act is None or not torch.isfinite(act).all():
-                ctx.warn(m.targets[0], "smoothquant: no finite calibration statistics; left unsmoothed")
-                continue
-            # The weights that will be quantised set the balance; routers are only rescaled.
-            w = weight_column_absmax([ctx.layer.get_submodule(t).weight.data for t in m.targets if t in ctx.targets])
-            if m.head_dim:
-                src_out = ctx.layer.get_submodule(m.source).weight.shape[0]
-                act, w = group_max(act, src_out, m.head_dim), group_max(w, src_out, m.head_dim)
-            s = smoothquant_scales(act.to(w.device), w, float(self.config.alpha))
-            apply_smoothing(ctx.layer, m, s)
+        for k in range(len(self._mappings)):
+            self._smooth(ctx, k)
         self._absmax = {}
+
+    def group_sources(self, ctx: LayerContext) -> dict[str, list[str]] | None:
+        # Norm-fed groups only: a linear source (v_proj -> o_proj) is quantised by the time its target's group is
+        # reached. A subset of the tokens is cheaper as a pass of its own over the first batches.
+        if self.config.statistics_tokens or any(m.kind == "linear" or not set(m.targets) <= set(ctx.targets)
+                                                for m in self._mappings):
+            return None
+        return {m.source: list(m.targets) for m in self._mappings}
+
+    def transform_group(self, ctx: LayerContext, names: list[str]) -> torch.Tensor | None:
+        found = [k for k, m in enumerate(self._mappings) if set(m.targets) == set(names)]
+        return self._smooth(ctx, found[0]) if found else None
+
+    def _smooth(self, ctx: LayerContext, k: int) -> torch.Tensor | None:
+        """Fold mapping k's scales into its source and targets; returns them (None when left unsmoothed)."""
+        m = self._mappings[k]
+        act = self._absmax.pop(k, None)
+        if act is None or not torch.isfinite(act).all():
+            ctx.warn(m.targets[0], "smoothquant: no finite calibration statistics; left unsmoothed")
+            return None
+        # The weights that will be quantised set the balance; routers are only rescaled.
+        w = weight_column_absmax([ctx.layer.get_submodule(t).weight.data for t in m.targets if t in ctx.targets])
+        if m.head_dim:
+            src_out = ctx.layer.get_submodule(m.source).weight.shape[0]
+            act, w = group_max(act, src_out, m.head_dim), group_max(w, src_out, m.head_dim)
+        s = smoothquant_scales(act.to(w.device), w, float(self.config.alpha))
+        apply_smoothing(ctx.layer, m, s)
+        return s

@@ -431,15 +431,32 @@ def _process_layer_one_pass(layer: nn.Module, ctx: LayerContext, stages: list[li
     # The probe first, before anything changes the layer: one unquantised forward (with a single stage it is the
     # first measured batch's reference, which the error needs anyway). No static order: the caller runs two-pass.
     first = measured[0] if measured else batches.owned[0]
-    with torch.no_grad(), ctx.phase("calibration_pass"):
-        out, groups = probe_groups(ctx.targets, lambda: forward(first))
+    sources = _group_transform_sources(ctx, stages)
+    outputs: dict[str, torch.Tensor] = {}
+    modules = dict(layer.named_modules())
+    capture = [modules[n].register_forward_hook(lambda mod, args, out, n=n: outputs.setdefault(n, out))
+               for n in sources or {}]
+    inputs: list[torch.Tensor] = []
+    try:
+        with torch.no_grad(), ctx.phase("calibration_pass"):
+            out, groups = probe_groups(ctx.targets, lambda: forward(first), inputs)
+    finally:
+        for h in capture:
+            h.remove()
     if groups is None:
         timings["forward"] += time.perf_counter() - began
         return None
-    if first in measured and len(stages) == 1:
+    # The last transform stage joins the grouped pass where each of its modules' output is exactly the input of the
+    # group it transforms (the same tensor object: dividing it in place is what the transformed module computes).
+    fused = sources is not None and all(
+        any(set(g) == set(names) and x is outputs.get(src) for g, x in zip(groups, inputs))
+        for src, names in sources.items())
+    del inputs, outputs
+    if first in measured and (len(stages) == 1 or fused and len(stages) == 2):
         references[first] = out
     del out
-    for k, stage in enumerate(stages[:-1]):  # transforms (SmoothQuant) calibrate on the whole unquantised layer
+    separate = stages[:-2] if fused else stages[:-1]
+    for k, stage in enumerate(separate):  # transforms (SmoothQuant) calibrate on the whole unquantised layer
         hooks = [h for m in stage for h in m.attach(ctx)]
         with torch.no_grad(), ctx.phase("calibration_pass"):
             for j in batches.for_statistics(stage, False):
@@ -457,6 +474,7 @@ def _process_layer_one_pass(layer: nn.Module, ctx: LayerContext, stages: list[li
                 references[j] = forward(j)
     ctx.input_leaders = {name: group[0] for group in groups for name in group}
     last = stages[-1]
+    transforms = stages[-2] if fused else []
     applying = {"seconds": 0.0}
 
     def apply_group(names: list[str]) -> None:
@@ -465,10 +483,18 @@ def _process_layer_one_pass(layer: nn.Module, ctx: LayerContext, stages: list[li
         try:
             if ctx.ranks.distributed:
                 with ctx.phase("reduce"):
-                    for method in last:
+                    for method in [*transforms, *last]:
                         if method.uses_statistics:
                             method.reduce_statistics(ctx.ranks)
             with ctx.phase("apply"):
+                for method in transforms:
+                    s = method.transform_group(ctx, names)
+                    if s is None:
+                        continue
+                    for x in grouped.paused_inputs(groups.index(names)):
+                        x.div_(s.to(x.device))
+                    for m in last:
+                        m.rescale_input_statistics(names[0], s)
                 for method in last:
                     method.apply(ctx)
         finally:
@@ -476,7 +502,7 @@ def _process_layer_one_pass(layer: nn.Module, ctx: LayerContext, stages: list[li
         applying["seconds"] += time.perf_counter() - t0
 
     grouped = GroupedPass(groups, apply_group)
-    hooks = [h for m in last for h in m.attach(ctx)]
+    hooks = [h for m in [*transforms, *last] for h in m.attach(ctx)]
     hooks += [ctx.targets[g[0]].register_forward_pre_hook(grouped.gate(i)) for i, g in enumerate(groups)]
     # Activation quantisation is simulated on a linear's input once the linear is quantised (after its
     # statistics and the gate), as the quantised pass of the two-pass schedule does.
@@ -513,6 +539,24 @@ def _process_layer_one_pass(layer: nn.Module, ctx: LayerContext, stages: list[li
         num += e_num
         den += e_den
     return math.sqrt(num / den) if den > 0 else 0.0
+
+
+def _group_transform_sources(ctx: LayerContext, stages: list[list[Method]]) -> dict[str, list[str]] | None:
+    """{module: the linears its output feeds} of the transform stage before the last, where every method of it can
+    run inside the one-pass grouped pass and every statistics user of the last stage can follow its input scaling;
+    None otherwise (the stage then calibrates in a pass of its own)."""
+    if (len(stages) < 2 or not all(m.rescales_inputs or not m.uses_statistics for m in stages[-1])
+            or any(type(m).group_sources is Method.group_sources for m in stages[-2])):
+        return None
+    found: dict[str, list[str]] = {}
+    for method in stages[-2]:
+        for h in method.attach(ctx):  # resolves the method's mappings for this layer; records nothing yet
+            h.remove()
+        sources = method.group_sources(ctx)
+        if sources is None or set(sources) & set(found):
+            return None
+        found.update(sources)
+    return found
 
 
 # Phases a method times inside `apply` (what is left of apply is reported as `method_other`).

@@ -26,8 +26,9 @@ class Cancelled(Exception):
     """Raised inside a paused forward when another batch's forward failed: unwinds it quietly."""
 
 
-def probe_groups(targets: dict[str, nn.Module], forward: Callable[[], torch.Tensor]):
-    """Run `forward` once and return (its output, the groups of target names in call order, or None).
+def probe_groups(targets: dict[str, nn.Module], forward: Callable[[], torch.Tensor], inputs: list | None = None):
+    """Run `forward` once and return (its output, the groups of target names in call order, or None); `inputs`,
+    when given, receives each group's input tensor in the same order.
 
     None when some target was not called (MoE experts a batch did not route to: the order is not static) or a
     target was called twice (its statistics could not be finished before it runs again)."""
@@ -53,6 +54,8 @@ def probe_groups(targets: dict[str, nn.Module], forward: Callable[[], torch.Tens
             return out, None  # an input read again after another group: not a simple chain
         else:
             groups[at].append(name)
+    if inputs is not None:
+        inputs.extend(seen)
     return out, groups
 
 
@@ -118,6 +121,7 @@ class GroupedPass:
         self._turn: int | None = None
         self._alive: list[int] = []
         self._waiting: dict[int, int] = {}  # batch -> group index it waits at
+        self._inputs: dict[int, torch.Tensor] = {}  # batch -> the input it waits with
         self._done: set[int] = set()
         self._error: BaseException | None = None
 
@@ -127,7 +131,7 @@ class GroupedPass:
         def hook(module, args):
             batch = getattr(self._local, "batch", None)
             if batch is not None:
-                self._arrive(batch, index)
+                self._arrive(batch, index, args[0])
 
         return hook
 
@@ -188,16 +192,21 @@ class GroupedPass:
             self.apply_group(self.groups[i])
         return outputs
 
-    def _arrive(self, batch: int, index: int) -> None:
+    def paused_inputs(self, index: int) -> list[torch.Tensor]:
+        """The inputs the batches waiting at group `index` hold (for `apply_group`, which runs while they wait)."""
+        return [self._inputs[b] for b, i in self._waiting.items() if i == index]
+
+    def _arrive(self, batch: int, index: int, x: torch.Tensor) -> None:
         with self._cond:
             if index in self._done:
                 return
             self._waiting[batch] = index
+            self._inputs[batch] = x
             self._handover(batch)
             self._cond.wait_for(lambda: self._error is not None or (self._turn == batch and index in self._done))
+            del self._waiting[batch], self._inputs[batch]
             if self._error is not None:
                 raise Cancelled
-            del self._waiting[batch]
 
     def _handover(self, batch: int) -> None:
         """Called by the running batch (lock held) when it pauses or finishes: the next batch runs, or, when every

@@ -174,7 +174,7 @@ def test_statistics_tokens_smooth_as_a_run_on_the_first_batches_only(tiny_models
     hidden, calls = capture_layer_inputs(handle, ids, 2, "cpu", torch.float32)  # 4 batches of 2 x 16 tokens
     base = handle.materialize_layer(0, torch.float32)
     norms, outs = {}, {}
-    for label, n_batches, options in (("first", 4, {"statistics_tokens": 64}), ("only", 2, {})):
+    for label, n_batches, options in (("first", 4, {"statistics_tokens": 64}), ("only", 2, {"statistics_tokens": 64})):
         layer = copy.deepcopy(base)
         ctx = layer_context(handle, plan, layer, scheme, torch.float32, torch.float32, False)
         acts = ActivationStore(None)

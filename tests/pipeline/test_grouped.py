@@ -192,6 +192,63 @@ def test_no_static_order_falls_back_to_two_pass_unchanged(tmp_path, tiny_models,
 
     two = run("two-pass", tmp_path / "two")
     real_probe = grouped.probe_groups
-    monkeypatch.setattr(grouped, "probe_groups", lambda targets, forward: (real_probe(targets, forward)[0], None))
+    monkeypatch.setattr(grouped, "probe_groups", lambda targets, forward, inputs=None: (real_probe(targets, forward)[0], None))
     fallback = run("one-pass", tmp_path / "fallback")
     assert two.keys() == fallback.keys() and all(torch.equal(two[k], fallback[k]) for k in two)
+
+
+def test_smoothquant_joins_the_grouped_pass(tiny_models):
+    """SmoothQuant+GPTQ under one-pass: the smoothing runs inside the grouped pass (each batch goes through the layer
+    once there, not once more for SmoothQuant's own statistics), and the first group comes out as in a two-pass run,
+    whose GPTQ sees the smoothed input itself: the same folded norm, GPTQ's Hessian rescaled to the same one, and the
+    paused inputs divided by the scales (a layer output as accurate as the separate-pass schedule's)."""
+    import copy
+
+    from quantkit.methods.gptq import GPTQ
+    from quantkit.methods.smoothquant import SmoothQuant
+    from quantkit.models.loader import open_model
+    from quantkit.models.source import resolve_model
+    from quantkit.pipeline.activations import ActivationStore
+    from quantkit.pipeline.capture import capture_layer_inputs, run_layer
+    from quantkit.pipeline.engine import LayerBatches, layer_context, plan_layers, process_layer
+    from quantkit.quant.schemes import get_scheme
+
+    handle = open_model(resolve_model(str(tiny_models["llama"])))
+    scheme = get_scheme("W8A8")
+    plan = plan_layers(handle, scheme, ["lm_head"])[0]
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    hidden, calls = capture_layer_inputs(handle, ids, 2, "cpu", torch.float32)
+    base = handle.materialize_layer(0, torch.float32)
+    with torch.no_grad():
+        reference = [run_layer(base, hidden[j], calls[j][0]) for j in range(4)]
+
+    def run(schedule, fuse=True, monkeypatch=None):
+        layer = copy.deepcopy(base)
+        ctx = layer_context(handle, plan, layer, scheme, torch.float32, torch.float32, False)
+        acts = ActivationStore(None)
+        for j in range(4):
+            acts[j] = hidden[j].clone()
+        batches = LayerBatches.local(acts, calls[:4], error_batches=1)
+        sq = SmoothQuant(scheme)
+        if not fuse:
+            sq.group_sources = lambda ctx: None
+        forwards = []
+        counter = layer.register_forward_pre_hook(lambda *a: forwards.append(1))
+        process_layer(layer, ctx, [sq, GPTQ(scheme)], batches, schedule=schedule)
+        counter.remove()
+        assert ctx.schedule == schedule
+        error = sum((acts[j] - reference[j]).pow(2).sum() for j in range(4)) / sum(r.pow(2).sum() for r in reference)
+        return layer, len(forwards), float(error)
+
+    fused, n_fused, err_fused = run("one-pass")
+    separate, n_separate, err_separate = run("one-pass", fuse=False)
+    two, _, _ = run("two-pass")
+    assert n_fused == 1 + 4 and n_separate == 1 + 4 + 4  # the probe (batch 0's reference), then the batches
+    norm = "input_layernorm.weight"
+    assert not torch.equal(fused.get_parameter(norm), base.get_parameter(norm))
+    assert torch.equal(fused.get_parameter(norm), two.get_parameter(norm))
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w1, w2 = (m.get_submodule(f"self_attn.{name}").weight for m in (fused, two))
+        step = w2.abs().amax(dim=1, keepdim=True) / 127  # the int8 grid of each row
+        assert ((w1 - w2).abs() <= 0.51 * step).all() and (w1 == w2).float().mean() > 0.99, name
+    assert 0 < err_fused < 1.5 * err_separate
