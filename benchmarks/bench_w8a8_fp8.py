@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--alpha", type=float, default=0.8)
     ap.add_argument("--fp8-only", action="store_true", help="skip the (slow) SmoothQuant+GPTQ W8A8 pair")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="extra quantkit SmoothQuant+GPTQ run in the same process: NAME=\"extra quantize flags\" "
+                         "(repeatable), e.g. separate=\"--recipe sq_separate.yaml\"")
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "w8a8_fp8")
     args = ap.parse_args()
 
@@ -65,7 +69,8 @@ def main() -> None:
         res = run_measured([qk_bin, "quantize", "--model", str(model), "--output", str(out), "--json", *flags])
         summary = json.loads(res["stdout"])
         runs[name] = {"wall_s": res["wall_s"], "peak_rss_bytes": res["peak_rss_bytes"], "path": out,
-                      "scheme_overrides": summary.get("scheme_overrides", {})}
+                      "scheme_overrides": summary.get("scheme_overrides", {}),
+                      "phases": summary.get("phase_seconds", {})}
 
     def llmc(name: str, recipe: str) -> None:
         out = args.work / name
@@ -77,6 +82,10 @@ def main() -> None:
     if not args.fp8_only:
         quantkit("qk_sq_gptq_w8a8", "--method", "smoothquant+gptq", "--scheme", "W8A8", "--alpha", str(args.alpha),
                  *calib_flags)
+        for variant in args.variant:
+            name, flags = variant.split("=", 1)
+            quantkit(f"qk_sq_gptq_w8a8_{name}", "--method", "smoothquant+gptq", "--scheme", "W8A8", "--alpha",
+                     str(args.alpha), *calib_flags, *shlex.split(flags))
         llmc("llmc_sq_gptq_w8a8", "smoothquant_gptq_w8a8")
     quantkit("qk_fp8_block", "--method", "fp8", "--scheme", "FP8_BLOCK")
     llmc("llmc_fp8_block", "fp8_block")
@@ -110,6 +119,17 @@ def main() -> None:
                   f"{cell(r, 'ppl')} | {cell(r, 'top1_agree')} | {rt} |")
     base_ppl = next((r["kl"]["ppl_base"] for r in runs.values() if "ppl_base" in r["kl"]), float("nan"))
     md += ["", f"base perplexity {base_ppl:.3f}", ""]
+    phased = [k for k in runs if runs[k].get("phases") and "sq_gptq" in k]
+    if phased:
+        md += ["Seconds per phase of the SmoothQuant+GPTQ runs (quantkit's manifest, summed over layers):", "",
+               "| phase | " + " | ".join(phased) + " |", "|---|" + "---|" * len(phased)]
+        for phase in sorted({p for k in phased for p in runs[k]["phases"]}):
+            md.append(f"| {phase} | " + " | ".join(f"{runs[k]['phases'].get(phase, 0.0):.1f}" for k in phased) + " |")
+        md.append("")
+    for name in (k for k in runs if k.startswith("qk_sq_gptq_w8a8_")):
+        if "kl_mean" in runs[name]["kl"] and "llmc_sq_gptq_w8a8" in runs:
+            md.append(f"- {name}: wall / llm-compressor {ratio(runs[name]['wall_s'], runs['llmc_sq_gptq_w8a8']['wall_s'])}, "
+                      f"KL {runs[name]['kl']['kl_mean']:.5f}")
     sq, lsq = (runs[k]["kl"] if k in runs else {} for k in ("qk_sq_gptq_w8a8", "llmc_sq_gptq_w8a8"))
     if "kl_mean" in sq and "kl_mean" in lsq:
         md.append(f"- W8A8 KL quantkit / llm-compressor: {ratio(sq['kl_mean'], lsq['kl_mean'])} "
