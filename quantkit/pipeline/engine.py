@@ -221,6 +221,12 @@ def _set_calibration_mode(layer: nn.Module, on: bool) -> None:
             module.calibrate_all_experts = on
 
 
+def statistics_cap(stage: list[Method]) -> int | None:
+    """The calibration tokens a stage's statistics need (`Method.statistics_tokens`), None for all of them."""
+    wanted = [m.statistics_tokens for m in stage if m.uses_statistics]
+    return None if not wanted or None in wanted else max(wanted)
+
+
 def _auto_batch(seq_len: int) -> int:
     # About 2048 tokens per forward: large enough for efficient matmuls, small enough that a layer's
     # activations (the MLP's intermediate is the largest) stay well below the layer's own weights.
@@ -247,10 +253,10 @@ class LayerBatches:
         stage that gathers statistics says it needs only so many tokens (`Method.statistics_tokens`); then the
         run's first batches up to that many tokens (the same batches whatever the ranks' split), plus the
         error-measuring ones. Static activation observers (`observe`) see every batch."""
-        wanted = [m.statistics_tokens for m in stage if m.uses_statistics]
-        if observe or not wanted or None in wanted or self.batch_tokens <= 0:
+        cap = None if observe else statistics_cap(stage)
+        if cap is None or self.batch_tokens <= 0:
             return list(self.owned)
-        first = max(self.error_batches, math.ceil(max(wanted) / self.batch_tokens))
+        first = max(self.error_batches, math.ceil(cap / self.batch_tokens))
         return [j for j in self.owned if j < first]
 
     @classmethod
@@ -322,6 +328,10 @@ def process_layer(
             for _ in range(len(batches.owned) - len(passed) if on_batch else 0):
                 on_batch()  # the bar counts the batches this pass leaves out as done
             timings["forward"] += time.perf_counter() - began
+            cap = statistics_cap(stage) if needs_stats and not observe else None
+            if cap is not None:  # `plan` scales this part only up to the cap
+                timings["capped_forward"] = timings.get("capped_forward", 0.0) + time.perf_counter() - began
+                timings["capped_tokens"] = max(timings.get("capped_tokens", 0), cap)
             for h in hooks:
                 h.remove()
             _set_calibration_mode(layer, False)

@@ -199,7 +199,9 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
     del layer, ctx, acts, batches
     release_freed_memory()
     return Trial(n, capture, materialize, timings["forward"], timings["apply"], pack, rss_before, peak, element,
-                 {"hwm_resettable": hwm.resettable, "schedule": ctx_schedule, "paused_bytes_per_sample": paused_per_sample})
+                 {"hwm_resettable": hwm.resettable, "schedule": ctx_schedule, "paused_bytes_per_sample": paused_per_sample,
+                  "capped_forward_seconds": timings.get("capped_forward", 0.0),
+                  "capped_tokens": timings.get("capped_tokens", 0)})
 
 
 def plan_run(opts: PlanOptions) -> dict:
@@ -252,9 +254,18 @@ def plan_run(opts: PlanOptions) -> dict:
     n, n_layers = setup.n_samples, len(setup.plans)
     sizes = _layer_bytes(setup.handle, n_layers)
     ratios = [b / sizes[0] if sizes[0] else 1.0 for b in sizes]
-    per_sample_forward = trial.forward_seconds / trial.samples
+    # A calibration pass capped by a method's `statistics_tokens` runs the run's first whole batches up to the cap
+    # (and the error-measuring ones), however many samples the run has: that part scales only to there.
+    capped = trial.extra["capped_forward_seconds"]
+    per_sample_forward = (trial.forward_seconds - capped) / trial.samples
+    statistics_samples = n
+    if trial.extra["capped_tokens"]:
+        seq_len = setup.calib.input_ids.shape[1]
+        batches = max(setup.error_batches, math.ceil(trial.extra["capped_tokens"] / (setup.batch_size * seq_len)))
+        statistics_samples = min(n, batches * setup.batch_size)
     fixed = trial.materialize_seconds + trial.apply_seconds + trial.pack_seconds
-    layer_seconds = [r * (fixed + per_sample_forward * n) for r in ratios]
+    capped_per_sample = capped / trial.samples
+    layer_seconds = [r * (fixed + per_sample_forward * n + capped_per_sample * statistics_samples) for r in ratios]
     capture_seconds = trial.capture_seconds * n / trial.samples
     source_bytes = setup.handle.index.total_bytes()
     finish_seconds = (source_bytes + output_bytes) / _sha256_rate()
@@ -307,6 +318,8 @@ def plan_run(opts: PlanOptions) -> dict:
             "finish_seconds": round(finish_seconds, 3),
             "per_layer_fixed_seconds": round(fixed, 4),
             "per_sample_forward_seconds": round(per_sample_forward, 5),
+            "per_sample_capped_statistics_seconds": round(capped_per_sample, 5),
+            "statistics_samples": statistics_samples,
         },
         "trial": {"layer": 0, "samples": trial.samples, "capture_seconds": round(trial.capture_seconds, 4),
                   "materialize_seconds": round(trial.materialize_seconds, 4),

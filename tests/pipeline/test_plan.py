@@ -75,3 +75,15 @@ def test_short_disk_refuses_plan_and_quantize_before_any_work(tmp_path, tiny_mod
         err = result.stderr.strip()
         assert len(err.splitlines()) == 1 and "not enough disk space" in err and "999 B free" in err, err
     assert not list(tmp_path.glob("out*"))
+
+
+def test_plan_scales_a_capped_statistics_pass_only_to_its_cap(tmp_path, mid_model, text_file):
+    """AWQ's unquantised pass runs only the first batches up to `statistics_tokens` (4096 by default): 2 of the 8
+    batches of 32 x 64 tokens here, so the plan extrapolates that pass to 64 samples, not 256, and holds to the run."""
+    args = ["--model", mid_model, "--method", "awq", "--scheme", "W4A16", "--group-size", "64", "--dataset",
+            text_file, "--num-samples", "256", "--seq-len", "64", "--output", tmp_path / "out", "--json"]
+    plan = _cli("plan", *args)
+    assert plan["breakdown"]["statistics_samples"] == 64
+    assert plan["breakdown"]["per_sample_capped_statistics_seconds"] > 0
+    run = _cli("quantize", *args)
+    assert 0.5 * run["wall_seconds"] - 1.0 <= plan["wall_seconds"] <= 2.0 * run["wall_seconds"] + 1.0, (plan, run)
