@@ -60,6 +60,7 @@ def _digests(folder: Path) -> dict[str, str]:
     ("llama", "gptq", []),
     ("llama", "awq", []),
     ("llama", "smoothquant+gptq", ["--scheme", "W8A8_STATIC"]),
+    ("llama", "smoothquant+gptq", ["--scheme", "W8A8"]),  # SmoothQuant inside the one-pass grouped pass
     ("mixtral", "gptq", []),
 ])
 def test_two_ranks_write_the_bytes_of_one_process(tiny_models, tmp_path, family, method, extra):
