@@ -202,7 +202,8 @@ def test_sliding_window_is_refused(tmp_path):
                                          (["--kv-lora-rank", "lots"], "integer or 'full'"),
                                          (["--sweep", "8,100"], "exact maximum 56"),
                                          (["--refine-steps", "-1"], "0 or more"),
-                                         (["--refine-batch", "0"], "1 or more")])
+                                         (["--refine-batch", "0"], "1 or more"),
+                                         (["--refine-lr", "0"], "between 0 and 1")])
 def test_bad_sizes_are_refused(tiny, tmp_path, args, needle):
     out = tmp_path / "out"
     _fail(_convert("--model", str(tiny["gqa"]), "--output", str(out), *args), 2, needle)
