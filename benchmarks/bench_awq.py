@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from common import (comparison_rows, HELDOUT_KJV, HELDOUT_PYDOC, LLMC_PYTHON, ROOT, heldout_sets, kl_plain, ratio, run_measured,
-                    save_tokens, write_results)
+                    phase_table, save_tokens, write_results)
 
 
 def _load() -> str:
@@ -159,10 +159,7 @@ def main() -> None:
                       f"{v['peak_rss_bytes'] / 1e6:.0f} | {v['kl'][HELDOUT_KJV]['kl_mean']:.4f} | "
                       f"{v['kl'][HELDOUT_PYDOC]['kl_mean']:.4f} |")
         columns = {"default": phases, **{n: json.loads(v["stdout"]).get("phase_seconds", {}) for n, v in variants.items()}}
-        names = sorted({k for p in columns.values() for k in p})
-        md += ["", "Seconds per phase (quantkit's manifest, summed over layers):", "",
-               "| phase | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-        md += [f"| {k} | " + " | ".join(f"{p.get(k, 0.0):.1f}" for p in columns.values()) + " |" for k in names]
+        md += phase_table(columns)
     write_results(args.results or f"awq_{args.scheme.lower()}_g{args.group_size}",
                   {"options": args.awq_option, "phases": phases, "quantkit": {**qk, "stdout": None, "stderr": None, "kl": kl_qk},
                    "quantkit_rtn": None if rtn is None else {**rtn, "stdout": None, "stderr": None, "kl": kl_rtn},

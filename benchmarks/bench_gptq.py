@@ -20,8 +20,8 @@ import json
 import shlex
 from pathlib import Path
 
-from common import (HELDOUT_KJV, HELDOUT_PYDOC, LLMC_PYTHON, ROOT, heldout_sets, kl_plain, prepare_run, ratio,
-                    run_measured, save_tokens, write_results)
+from common import (HELDOUT_KJV, HELDOUT_PYDOC, LLMC_PYTHON, ROOT, heldout_sets, kl_plain, phase_table, prepare_run,
+                    ratio, run_measured, save_tokens, write_results)
 
 
 def main() -> None:
@@ -89,11 +89,7 @@ def main() -> None:
         md.append(f"| KL, {k} | " + " | ".join(f"{runs[n]['eval'][k]['kl_mean']:.4f}" for n in names) + " |")
         md.append(f"| perplexity, {k} (base {base_ppl:.2f}) | "
                   + " | ".join(f"{runs[n]['eval'][k]['ppl']:.3f}" for n in names) + " |")
-    phased = [n for n in names if runs[n].get("phases")]
-    keys = sorted({k for n in phased for k in runs[n]["phases"]})
-    md += ["", "Seconds per phase (quantkit's manifest, summed over layers):", "",
-           "| phase | " + " | ".join(phased) + " |", "|---" * (len(phased) + 1) + "|"]
-    md += [f"| {k} | " + " | ".join(f"{runs[n]['phases'].get(k, 0.0):.1f}" for n in phased) + " |" for k in keys]
+    md += phase_table({n: runs[n]["phases"] for n in names if runs[n].get("phases")})
     qk = runs["quantkit gptq"]
     if "llm-compressor gptq" in runs:
         lc = runs["llm-compressor gptq"]

@@ -24,7 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import LLMC_PYTHON, ROOT, machine_line, ratio, run_measured, save_tokens, write_results, prepare_run
+from common import (LLMC_PYTHON, ROOT, machine_line, phase_table, prepare_run, ratio, run_measured, save_tokens,
+                    write_results)
 
 
 def try_kl(base: Path, candidate: Path, tokens: Path) -> dict:
@@ -119,13 +120,9 @@ def main() -> None:
                   f"{cell(r, 'ppl')} | {cell(r, 'top1_agree')} | {rt} |")
     base_ppl = next((r["kl"]["ppl_base"] for r in runs.values() if "ppl_base" in r["kl"]), float("nan"))
     md += ["", f"base perplexity {base_ppl:.3f}", ""]
-    phased = [k for k in runs if runs[k].get("phases") and "sq_gptq" in k]
+    phased = {k: runs[k]["phases"] for k in runs if runs[k].get("phases") and "sq_gptq" in k}
     if phased:
-        md += ["Seconds per phase of the SmoothQuant+GPTQ runs (quantkit's manifest, summed over layers):", "",
-               "| phase | " + " | ".join(phased) + " |", "|---|" + "---|" * len(phased)]
-        for phase in sorted({p for k in phased for p in runs[k]["phases"]}):
-            md.append(f"| {phase} | " + " | ".join(f"{runs[k]['phases'].get(phase, 0.0):.1f}" for k in phased) + " |")
-        md.append("")
+        md += phase_table(phased, "Seconds per phase of the SmoothQuant+GPTQ runs")[1:] + [""]
     for name in (k for k in runs if k.startswith("qk_sq_gptq_w8a8_")):
         if "kl_mean" in runs[name]["kl"] and "llmc_sq_gptq_w8a8" in runs:
             md.append(f"- {name}: wall / llm-compressor {ratio(runs[name]['wall_s'], runs['llmc_sq_gptq_w8a8']['wall_s'])}, "

@@ -61,6 +61,14 @@ def kl_plain(base: Path, candidate: Path, tokens: Path) -> dict:
     return json.loads(res["stdout"].strip().splitlines()[-1])
 
 
+def phase_table(columns: dict[str, dict[str, float]], title: str = "Seconds per phase") -> list[str]:
+    """Markdown lines: seconds per phase (quantkit's manifest, summed over layers), one column per run."""
+    names = sorted({k for p in columns.values() for k in p})
+    return (["", f"{title} (quantkit's manifest, summed over layers):", "",
+             "| phase | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+            + [f"| {k} | " + " | ".join(f"{p.get(k, 0.0):.1f}" for p in columns.values()) + " |" for k in names])
+
+
 def write_results(name: str, payload: dict, markdown: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
