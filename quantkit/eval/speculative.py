@@ -19,7 +19,7 @@ from pathlib import Path
 from quantkit.errors import InputError
 
 BUILTIN_CHAT = Path(__file__).resolve().parents[1] / "builtin" / "prompts" / "chat.jsonl"
-DRAFT_KINDS = "a checkpoint folder, self:W4A8, self:W4A4, self:skip:N or ngram"
+DRAFT_KINDS = "a checkpoint folder, eagle:DIR, medusa:DIR (quantkit draft-heads), self:W4A8, self:W4A4, self:skip:N or ngram"
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,13 @@ def validate(opts: SpecOptions) -> None:
     if opts.temperature < 0:
         raise InputError(f"--temperature must be >= 0, got {opts.temperature}")
     if opts.draft and opts.draft.startswith(("medusa:", "eagle:")):
-        raise InputError(f"--speculative {opts.draft}: Medusa / EAGLE heads are not supported yet; use {DRAFT_KINDS}")
+        from quantkit.formats import drafter
+
+        kind, _, folder = opts.draft.partition(":")
+        drafter.read(Path(folder), kind)  # a missing or wrong folder is refused before any model work
+        if opts.draft_vocab:
+            raise InputError("--draft-vocab: a fitted drafter's vocabulary is chosen when it is fitted "
+                             "(quantkit draft-heads --draft-vocab)")
     if opts.draft_vocab < 0:
         raise InputError(f"--draft-vocab must be >= 0 (0: the whole vocabulary), got {opts.draft_vocab}")
     if opts.draft_vocab and (opts.draft == "ngram" or opts.grid):
@@ -57,7 +63,9 @@ def validate(opts: SpecOptions) -> None:
     if opts.draft == "ngram" and opts.tree.split(":")[0] not in ("chain", "static"):
         raise InputError("--speculative ngram drafts chains and static trees only (--tree chain or static:WxD)")
     # The draft itself, before any model work (a wrong path once surfaced after the whole KL pass)
-    if opts.draft and opts.draft.startswith("self:"):
+    if opts.draft and opts.draft.startswith(("medusa:", "eagle:")):
+        pass  # read above
+    elif opts.draft and opts.draft.startswith("self:"):
         from quantkit.runtime.speculative.drafts import SELF_DRAFT_BITS, SELF_DRAFTS, skip_layers
 
         scheme = opts.draft.split(":", 1)[1]
@@ -177,6 +185,10 @@ def make_draft(spec: str, target_rt, target_tok, dtype, device, label: str):
         return NgramDraft()
     if spec.startswith("self:"):
         return self_draft(target_rt, spec.split(":", 1)[1])
+    if spec.startswith(("eagle:", "medusa:")):
+        from quantkit.runtime.speculative.heads import load_draft
+
+        return load_draft(spec, target_rt)
     path = Path(spec)
     if not path.exists():
         raise InputError(f"draft {spec!r} is neither {DRAFT_KINDS}")

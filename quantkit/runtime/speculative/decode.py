@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantkit.runtime.speculative.acceptance import accept_path
+from quantkit.runtime.speculative.heads import FeatureTap
 from quantkit.runtime.speculative.trees import AcceptanceRates, TreeSpec
 from quantkit.runtime.cuda.ops import tree_mask as cuda_tree_mask
 from quantkit.runtime.step import KVCache, step, tree_mask, tree_positions
@@ -57,18 +58,30 @@ def speculative_generate(target, draft, prompt: list[int], cfg: SpecConfig,
     """Up to `cfg.max_new_tokens` tokens after `prompt`, drafted by `draft` and verified by `target`."""
     if not prompt:
         raise ValueError("the prompt needs at least one token")
-    device = _device(target)
-    net = _net(target)
     generator = torch.Generator().manual_seed(cfg.seed)
     rates = rates if rates is not None else AcceptanceRates()
+    # A draft that reads the target's features (EAGLE, Medusa) is given those of every committed position.
+    tap = FeatureTap(target) if getattr(draft, "reads_features", False) else None
+    try:
+        return _decode(target, draft, list(prompt), cfg, rates, generator, tap)
+    finally:
+        if tap is not None:
+            tap.close()
+
+
+def _decode(target, draft, ctx: list[int], cfg: SpecConfig, rates: AcceptanceRates, generator,
+            tap: FeatureTap | None) -> SpecResult:
+    device = _device(target)
+    net = _net(target)
     cache = KVCache()
-    ctx = list(prompt)
     result = SpecResult(tokens=[])
     start = time.perf_counter()
+    draft.reset(cache)
     if len(ctx) > 1:
         step(target, torch.tensor([ctx[:-1]], device=device), torch.arange(len(ctx) - 1, device=device)[None],
              cache, logits_to_keep=1)
-    draft.reset(cache)
+        if tap is not None:
+            draft.observe(0, tap.take()[0])
     while len(result.tokens) < cfg.max_new_tokens:
         t0 = time.perf_counter()
         tree = draft.propose(ctx, cfg.tree, cfg.temperature, generator, rates)
@@ -84,6 +97,8 @@ def speculative_generate(target, draft, prompt: list[int], cfg: SpecConfig,
                 mask = tree_mask(parents, base, device=device)
         logits = step(target, tokens, positions, cache, mask)[0]
         path, token = accept_path(tree.parents, tree.tokens, tree.proposals, logits, cfg.temperature, generator)
+        if tap is not None:  # the root's and the accepted nodes' features: committed positions from len(ctx) - 1
+            draft.observe(len(ctx) - 1, tap.take()[0, [0] + [1 + i for i in path]])
         if tree.is_chain():
             cache.crop(base + 1 + len(path))
         else:

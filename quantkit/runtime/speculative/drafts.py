@@ -7,7 +7,7 @@ the tree with their own forward passes over a KV cache: a separate draft keeps t
 cache; the self drafts write into the target's cache and crop it back, so the verify pass rewrites the drafted
 positions at full precision: one copy of the weights, one cache. The early exit's layers below N compute exactly
 what the target's do, so the target's cached keys and values of the committed text are its own.
-(Medusa / EAGLE heads would be one more source: a class with the same `propose`.)
+Drafters that read the target's features (EAGLE, Medusa) are in `heads.py`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from quantkit.runtime.speculative.trees import (AcceptanceRates, DraftTree, TreeSpec, build_dynamic, build_opt,
-                                                build_static, opt_shape)
+from quantkit.runtime.speculative.heads import draft_distribution
+from quantkit.runtime.speculative.trees import AcceptanceRates, DraftTree, TreeSpec, build_tree
 from quantkit.runtime.step import KVCache, step
 
 NGRAM_MAX = 3  # longest suffix matched by prompt lookup (vLLM and llama.cpp use 1..3/4 too)
@@ -203,11 +203,7 @@ class ModelDraft:
         return stack
 
     def _dist(self, logits: torch.Tensor) -> torch.Tensor:
-        q = torch.softmax(logits.double() / self._temperature, dim=-1)
-        if self.vocabulary is None:
-            return q
-        full = torch.zeros(self._full_vocab, dtype=q.dtype, device=q.device)
-        return full.index_copy_(0, self.vocabulary.to(q.device), q)
+        return draft_distribution(logits, self._temperature, self.vocabulary, self._full_vocab)
 
     def propose(self, context: list[int], spec: TreeSpec, temperature: float, generator, rates) -> DraftTree:
         self._temperature = temperature if temperature > 0 else 1.0
@@ -219,12 +215,7 @@ class ModelDraft:
             positions = torch.arange(entry, len(context), device=device)[None]
             self._root = self._dist(step(self.model, new, positions, self.cache, logits_to_keep=1)[0, -1])
             self._base, self._slots, self._len = self.cache.length, {}, len(context)
-            if spec.kind in ("chain", "static"):
-                tree = build_static(self, 1 if spec.kind == "chain" else spec.width, spec.depth, sample, generator)
-            elif spec.kind == "dynamic":
-                tree = build_dynamic(self, spec.nodes, spec.depth, sample, generator, rates)
-            else:
-                tree = build_opt(self, opt_shape(rates, spec.nodes, spec.depth), sample, generator)
+            tree = build_tree(self, spec, sample, generator, rates)
         # A separate draft keeps the committed text; the QSPEC draft gives the target its cache back as it was.
         self.cache.crop(entry if self.shares_target_cache else len(context))
         return tree

@@ -171,6 +171,16 @@ def build_dynamic(exp: Expander, budget: int, depth: int, sample: bool, generato
     return _subtree(tree, keep)
 
 
+def build_tree(exp: Expander, spec: TreeSpec, sample: bool, generator,
+               rates: "AcceptanceRates | None" = None) -> DraftTree:
+    """The tree `spec` names, grown by `exp`."""
+    if spec.kind in ("chain", "static"):
+        return build_static(exp, 1 if spec.kind == "chain" else spec.width, spec.depth, sample, generator)
+    if spec.kind == "dynamic":
+        return build_dynamic(exp, spec.nodes, spec.depth, sample, generator, rates)
+    return build_opt(exp, opt_shape(rates or AcceptanceRates(), spec.nodes, spec.depth), sample, generator)
+
+
 def _subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
     """The nodes `keep` (ancestor-closed, in creation order), renumbered."""
     index = {old: new for new, old in enumerate(keep)}
