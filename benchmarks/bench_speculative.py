@@ -35,6 +35,19 @@ def quantize(model: Path, method: str, out: Path, samples: int) -> Path:
     return out
 
 
+def draft_heads(target: Path, kind: str, out: Path, steps: int, dataset: str) -> tuple[Path, dict]:
+    """A drafter fitted to `target` by `quantkit draft-heads` (kept between runs: its report is saved beside it)."""
+    report = out.with_name(out.name + ".json")
+    if not (out / "config.json").is_file() or not report.is_file():
+        proc = subprocess.run([QK, "draft-heads", str(target), "--kind", kind, "--steps", str(steps), "--dataset",
+                               dataset, "--output", str(out), "--overwrite", "--json"], capture_output=True, text=True,
+                              env={**os.environ, "QUANTKIT_NO_PROGRESS": "1"})
+        if proc.returncode != 0:
+            sys.exit(f"draft-heads {kind} on {target}: {proc.stderr.strip()[-300:]}")
+        report.write_text(proc.stdout)
+    return out, json.loads(report.read_text())
+
+
 def spec_eval(target: Path, base: Path, draft: str, tree: str, k: int, temperature: float, prompts: Path,
               new_tokens: int, draft_vocab: int = 0) -> dict:
     cmd = [QK, "eval", str(target), "--baseline", str(base), "--num-samples", "1", "--seq-len", "32",
@@ -81,6 +94,13 @@ def main() -> None:
     ap.add_argument("--draft-vocab", default="0",
                     help="comma-separated --draft-vocab values each model draft runs with (0 = whole vocabulary)")
     ap.add_argument("--results", default="speculative", help="results file name (benchmarks/results/NAME.md)")
+    ap.add_argument("--fitted", action="store_true",
+                    help="fitted drafters only (quantkit draft-heads): EAGLE and Medusa fitted to the W4A16 GPTQ "
+                         "target, EAGLE fitted to the bf16 model, all driving the W4A16 target")
+    ap.add_argument("--fit-steps", type=int, default=300)
+    ap.add_argument("--fit-dataset", default="kjv:0.5,self:0.5")
+    ap.add_argument("--trees", default="chain:4,dynamic:8:5",
+                    help="with --fitted: TREE:K list (dynamic:NODES:DEPTH)")
     args = ap.parse_args()
     model, tok = prepare_run(None, args.work / "scratch")
     import torch
@@ -95,12 +115,26 @@ def main() -> None:
     ids_file = prompt_file = args.work / "prompt_ids.jsonl"  # token ids: both tools see the very same prompts
     ids_file.write_text("".join(json.dumps({"ids": p}) + "\n" for p in chosen))
 
-    ckpts = {m: quantize(model, m, args.work / f"w4a16-{m}", args.calib_samples) for m in ("rtn", "gptq", "awq")}
+    ckpts = {m: quantize(model, m, args.work / f"w4a16-{m}", args.calib_samples)
+             for m in (("gptq",) if args.fitted else ("rtn", "gptq", "awq"))}
     targets = {"bf16": model, "W4A16 GPTQ": ckpts["gptq"]}
-    drafts = {"RTN W4A16": str(ckpts["rtn"]), "GPTQ W4A16": str(ckpts["gptq"]), "AWQ W4A16": str(ckpts["awq"]),
+    drafts = {} if args.fitted else {
+              "RTN W4A16": str(ckpts["rtn"]), "GPTQ W4A16": str(ckpts["gptq"]), "AWQ W4A16": str(ckpts["awq"]),
               "self:W4A8": "self:W4A8", "self:W4A4": "self:W4A4", "ngram": "ngram",
               # Early exits: the target's first 8 / 16 / 24 of SmolLM2's 30 layers, no training.
               "self:skip:8": "self:skip:8", "self:skip:16": "self:skip:16", "self:skip:24": "self:skip:24"}
+    fits = {}
+    if args.fitted:
+        fit_work = ROOT / "benchmarks" / ".work" / "speculative-fitted"
+        fit_work.mkdir(parents=True, exist_ok=True)
+        tag = f"{args.fit_steps}-{args.fit_dataset.replace(':', '').replace(',', '_')}"
+        for label, kind, on in (("EAGLE fit to W4A16", "eagle", ckpts["gptq"]), ("EAGLE fit to bf16", "eagle", model),
+                                ("Medusa fit to W4A16", "medusa", ckpts["gptq"])):
+            folder, rep = draft_heads(on, kind, fit_work / f"{kind}-{'bf16' if on == model else 'w4a16'}-{tag}",
+                                      args.fit_steps, args.fit_dataset)
+            fits[label] = {k: rep[k] for k in ("seconds", "trained", "untrained", "draft_vocab", "parameters")}
+            print(label, fits[label], flush=True)
+            drafts[label] = f"{kind}:{folder}"
     if args.drafts:
         wanted = args.drafts.split(",")
         unknown = [d for d in wanted if d not in drafts]
@@ -109,7 +143,14 @@ def main() -> None:
         drafts = {d: drafts[d] for d in wanted}
     configs = [("chain", 2), ("chain", 4), ("chain", 6), ("static:2x3", 3), ("dynamic:6", 6)]
     temps = (0.0, 0.7)
-    if not args.full:  # the subset: every draft on chain K=4; every tree shape with the best model draft
+    if args.fitted:
+        trees = []
+        for item in args.trees.split(","):
+            parts = item.split(":")
+            trees.append((":".join(parts[:2]), int(parts[2])) if parts[0] == "dynamic" else (parts[0], int(parts[1])))
+        plan = [("W4A16 GPTQ", d, tree, k, T) for d in fits for tree, k in trees for T in temps
+                if not (T > 0 and d == "EAGLE fit to bf16")]
+    elif not args.full:  # the subset: every draft on chain K=4; every tree shape with the best model draft
         plan = [(t, d, "chain", 4, 0.0) for t in targets for d in drafts]
         plan += [("bf16", "AWQ W4A16", tree, k, 0.0) for tree, k in configs if (tree, k) != ("chain", 4)]
         plan += [("bf16", "self:W4A8", "dynamic:6", 6, 0.0), ("bf16", "AWQ W4A16", "chain", 4, 0.7),
@@ -119,7 +160,8 @@ def main() -> None:
                 if not (d == "ngram" and tree.startswith("dynamic"))]
     plan = [row for row in plan if row[1] in drafts]
     payload = {"cpu": f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs",
-               "load_average_before": os.getloadavg(), "prompts": len(chosen), "new_tokens": new_tokens, "rows": []}
+               "load_average_before": os.getloadavg(), "prompts": len(chosen), "new_tokens": new_tokens, "rows": [],
+               "fits": fits}
     print(payload["cpu"], flush=True)
     vocabs = [int(v) for v in args.draft_vocab.split(",")]
     plan = [(*row, v) for row in plan for v in (vocabs if row[1] != "ngram" else [0])]
@@ -157,6 +199,14 @@ def markdown(payload: dict) -> str:
                   f"{r['temperature']} | {r['acceptance_rate']:.3f} | "
                   f"{r['mean_accepted_length']:.2f} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
                   f"{r['speedup']:.2f}x | {r['identical_to_plain']} |")
+    if payload.get("fits"):
+        md += ["", "Drafters (quantkit draft-heads; held-out top-1 agreement with the target's greedy token per depth):",
+               "", "| drafter | parameters | draft vocabulary | fit s | held-out KL+reg untrained -> fitted | "
+               "top-1 agreement fitted |", "|---|---|---|---|---|---|"]
+        for label, f in payload["fits"].items():
+            md.append(f"| {label} | {f['parameters']:,} | {f['draft_vocab'] or 'all'} | {f['seconds']['total']:.0f} | "
+                      f"{f['untrained']['heldout_loss']:.3f} -> {f['trained']['heldout_loss']:.3f} | "
+                      f"{' / '.join(f'{a:.3f}' for a in f['trained']['top1_agreement'])} |")
     if "llama_cpp" in payload:
         ll = payload["llama_cpp"]
         md += ["", f"llama.cpp (bf16 GGUF, same prompts, greedy): {ll}"]

@@ -16,7 +16,7 @@ class DraftHeadsOptions:
     output: Path
     kind: str = "eagle"
     heads: int = 4
-    dataset: str = "kjv"
+    dataset: str = "kjv:0.5,self:0.5"  # the built-in text and the target's own
     num_samples: int = 64
     seq_len: int = 512
     steps: int = 300
@@ -43,7 +43,7 @@ def validate(opts: DraftHeadsOptions) -> None:
 def run_draft_heads(opts: DraftHeadsOptions) -> dict:
     import torch
 
-    from quantkit.data.calibration import build_token_blocks
+    from quantkit.drafters.data import fit_text
     from quantkit.drafters.fit import FitConfig, data_fingerprint, drafter_tensors, fit
     from quantkit.eval.runner import _tokenizer, check_checkpoint, compute_for
     from quantkit.formats import drafter as fmt
@@ -61,12 +61,15 @@ def run_draft_heads(opts: DraftHeadsOptions) -> dict:
         raise InputError(f"{path} has no tokenizer that transformers can load; draft-heads fits on tokenised text")
     device = torch.device("cpu")
     compute = compute_for(path, opts.compute_dtype, device)
-    ids = build_token_blocks(tok, opts.dataset, opts.num_samples, opts.seq_len, opts.seed).input_ids
     target = load_model(path, compute.dtype, device)
     cfg = FitConfig(kind=opts.kind, heads=opts.heads, steps=opts.steps, draft_vocab=opts.draft_vocab,
                     seed=opts.seed, eval_every=max(1, opts.steps // 6))
     layer_config = eagle_layer_config(target.config) if opts.kind == "eagle" else None
     with progress_bar() as bar:
+        text_task = bar.add_task("fit text", total=opts.num_samples, info=opts.dataset)
+        ids = fit_text(target, tok, opts.dataset, opts.num_samples, opts.seq_len, opts.seed,
+                       lambda n: bar.update(text_task, advance=n))
+        bar.update(text_task, completed=opts.num_samples)
         feat_task = bar.add_task("target features", total=len(ids), info="")
         fit_task = bar.add_task(f"fit {opts.kind}", total=cfg.steps, info="")
 

@@ -138,10 +138,10 @@ def prepare(target, ids: torch.Tensor, cfg: FitConfig, special: list[int], progr
     predicted = target_predictions(feats, weight)
     vocabulary = select_vocabulary(ids, predicted, cfg.draft_vocab, weight.shape[0], special)
     embed = net.get_input_embeddings()
-    with torch.inference_mode():
-        embeds = torch.cat([embed(ids[i : i + 8].to(net.device)).float().cpu() for i in range(0, len(ids), 8)])
+    with torch.inference_mode():  # the drafter reads the target's embedding of a token: its table as it runs
+        table = embed(torch.arange(embed.num_embeddings, device=net.device)).float().cpu()
     feats = feats.float()
-    return _Data(feats, embeds, predicted, weight if vocabulary is None else weight[vocabulary], vocabulary,
+    return _Data(feats, ids, table, predicted, weight if vocabulary is None else weight[vocabulary], vocabulary,
                  feats.pow(2).mean().sqrt(), time.perf_counter() - t0)
 
 
@@ -204,7 +204,8 @@ def fit(target, ids: torch.Tensor, cfg: FitConfig, special: list[int], progress=
 @dataclass
 class _Data:
     feats: torch.Tensor  # [N, L, H] float
-    embeds: torch.Tensor  # [N, L, H] float: the target's embeddings of the tokens
+    ids: torch.Tensor  # [N, L] the tokens
+    table: torch.Tensor  # [V, H] float: the target's embedding of every token
     predicted: torch.Tensor  # [N, L] the target's greedy next token (whole vocabulary)
     head: torch.Tensor  # [V', H] the draft vocabulary's head rows
     vocabulary: torch.Tensor | None
@@ -218,7 +219,7 @@ def _eagle_pass(module, data: _Data, rows, inputs: torch.Tensor, train: bool) ->
     positions = torch.arange(n)[None].expand(len(rows), n)
     if train:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * NOISE * data.scale
-    return module(data.embeds[rows, 1 : n + 1], inputs, positions)
+    return module(data.table[data.ids[rows, 1 : n + 1]], inputs, positions)
 
 
 def _loss(module, data: _Data, rows: list[int], cfg: FitConfig, train: bool) -> torch.Tensor:

@@ -220,7 +220,11 @@ class _FeatureDraft:
         dtype = next(p for p in net.parameters() if p.is_floating_point()).dtype
         if hasattr(target, "dtype"):
             dtype = target.dtype
-        self.module = module.to(device=net.device, dtype=dtype).eval()
+        # Parameters only: buffers keep their precision (RoPE's inverse frequencies rounded to bf16 put every
+        # position past a few dozen at the wrong angle).
+        self.module = module.to(device=net.device).eval()
+        for p in self.module.parameters():
+            p.data = p.data.to(dtype)
         self.device = net.device
         self.features = _Features()
         self._temperature = 1.0
