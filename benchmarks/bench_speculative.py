@@ -49,10 +49,10 @@ def draft_heads(target: Path, kind: str, out: Path, steps: int, dataset: str) ->
 
 
 def spec_eval(target: Path, base: Path, draft: str, tree: str, k: int, temperature: float, prompts: Path,
-              new_tokens: int, draft_vocab: int = 0) -> dict:
+              new_tokens: int, draft_vocab: int = 0, dtype: str = "auto") -> dict:
     cmd = [QK, "eval", str(target), "--baseline", str(base), "--num-samples", "1", "--seq-len", "32",
            "--speculative", draft, "--tree", tree, "--draft-tokens", str(k), "--prompts", str(prompts),
-           "--max-new-tokens", str(new_tokens), "--temperature", str(temperature), "--json"]
+           "--max-new-tokens", str(new_tokens), "--temperature", str(temperature), "--compute-dtype", dtype, "--json"]
     if draft_vocab and draft != "ngram":
         cmd += ["--draft-vocab", str(draft_vocab)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "QUANTKIT_NO_PROGRESS": "1"})
@@ -101,7 +101,12 @@ def main() -> None:
     ap.add_argument("--fit-dataset", default="kjv:0.5,self:0.5")
     ap.add_argument("--trees", default="chain:4,dynamic:8:5",
                     help="with --fitted: TREE:K list (dynamic:NODES:DEPTH)")
+    ap.add_argument("--plot-from", type=Path, default=None,
+                    help="only draw the plot of an earlier run's results JSON (benchmarks/results/NAME.json)")
     args = ap.parse_args()
+    if args.plot_from:
+        print(plot(json.loads(args.plot_from.read_text()), args.plot_from.with_suffix(".png")))
+        return
     model, tok = prepare_run(None, args.work / "scratch")
     import torch
 
@@ -150,6 +155,9 @@ def main() -> None:
             trees.append((":".join(parts[:2]), int(parts[2])) if parts[0] == "dynamic" else (parts[0], int(parts[1])))
         plan = [("W4A16 GPTQ", d, tree, k, T) for d in fits for tree, k in trees for T in temps
                 if not (T > 0 and d == "EAGLE fit to bf16")]
+        # Lossless in exact arithmetic; measured in fp32, where verify and plain decoding round alike
+        targets["W4A16 GPTQ fp32"] = ckpts["gptq"]
+        plan.append(("W4A16 GPTQ fp32", "EAGLE fit to W4A16", *trees[-1], 0.0))
     elif not args.full:  # the subset: every draft on chain K=4; every tree shape with the best model draft
         plan = [(t, d, "chain", 4, 0.0) for t in targets for d in drafts]
         plan += [("bf16", "AWQ W4A16", tree, k, 0.0) for tree, k in configs if (tree, k) != ("chain", 4)]
@@ -168,7 +176,8 @@ def main() -> None:
     for target, draft, tree, k, T, vocab in plan:
         if targets[target] == ckpts["gptq"] and draft == "GPTQ W4A16":
             continue  # a model drafting for itself says nothing
-        r = spec_eval(targets[target], model, drafts[draft], tree, k, T, prompt_file, new_tokens, vocab)
+        r = spec_eval(targets[target], model, drafts[draft], tree, k, T, prompt_file, new_tokens, vocab,
+                      "float32" if target.endswith("fp32") else "auto")
         payload["rows"].append({"target": target, "draft_label": draft, "tree_spec": tree, "k": k, **r})
         print(target, draft, vocab or "all", tree, k, T, {x: r.get(x) for x in ("mean_accepted_length", "speedup",
                                                                 "identical_to_plain", "error")}, flush=True)
@@ -180,6 +189,37 @@ def main() -> None:
         payload["llama_cpp"] = json.loads(line[7:]) if line else {"error": proc.stderr[-300:]}
     payload["load_average_after"] = os.getloadavg()
     write_results(args.results, payload, markdown(payload))
+    if args.fitted:
+        print(plot(payload, ROOT / "benchmarks" / "results" / f"{args.results}.png"))
+
+
+def plot(payload: dict, path: Path) -> Path:
+    """Acceptance per draft position (left) and speed-up over plain decoding (right), one line / bar per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in payload["rows"] if "error" not in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = []
+    for r in rows:
+        label = f"{r['draft_label']}, {r['tree']}, T={r['temperature']}"
+        labels.append(label)
+        acc = r["per_position_acceptance"]
+        left.plot(range(1, len(acc) + 1), acc, marker="o", label=label)
+    left.set_xlabel("draft position")
+    left.set_ylabel("share of steps accepting it")
+    left.set_title("acceptance per draft position")
+    left.legend(fontsize=7)
+    right.barh(range(len(rows)), [r["speedup"] for r in rows])
+    right.set_yticks(range(len(rows)), labels, fontsize=7)
+    right.axvline(1.0, color="k", lw=0.8)
+    right.set_xlabel("tokens/s over plain decoding of the same target")
+    right.set_title(f"speed-up ({payload['cpu']})", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def markdown(payload: dict) -> str:

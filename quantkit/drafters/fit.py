@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -285,9 +284,3 @@ def data_fingerprint(ids: torch.Tensor) -> str:
     import hashlib
 
     return hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest()
-
-
-def target_path_check(path: Path) -> Path:
-    from quantkit.eval.runner import check_checkpoint
-
-    return check_checkpoint(Path(path))

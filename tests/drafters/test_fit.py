@@ -123,5 +123,39 @@ def test_bad_input_is_one_line(tiny_models, tmp_path, text_file):
                                    "16", "--speculative", draft, "--max-new-tokens", "4"], catch_exceptions=False)
 
     _one_line(ev(other, f"eagle:{out}"), "fitted to a vocabulary of 256 tokens, the target has 200")
+    wider = make_tiny_model(tmp_path / "wider", "llama", hidden_size=128)
+    _one_line(ev(wider, f"eagle:{out}"), "its hidden size 64 is not the target's 128")
     _one_line(ev(target, f"medusa:{out}"), "holds a eagle checkpoint, not medusa")
     _one_line(ev(target, f"eagle:{tmp_path / 'none'}"), "is not a drafter folder")
+
+
+@pytest.mark.slow
+def test_an_eagle_drafter_fitted_to_smollm2_drafts_losslessly_in_fp32(smollm2_path):
+    """On the real model: a short fit already beats the untrained drafter on held-out text, and fp32 greedy
+    speculative decoding with it is plain greedy decoding token for token, with drafted tokens accepted."""
+    from transformers import AutoTokenizer
+
+    from quantkit.data.calibration import build_token_blocks
+    from quantkit.eval.speculative import first_divergence
+    from quantkit.runtime.model import load_model
+    from quantkit.runtime.speculative import SpecConfig, parse_tree, speculative_generate
+    from quantkit.runtime.speculative.decode import plain_generate
+    from quantkit.runtime.speculative.heads import EagleDraft
+
+    rt = load_model(smollm2_path, torch.float32, "cpu")
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ids = build_token_blocks(tok, "kjv", 16, 128, 0).input_ids
+    result = fit(rt, ids, FitConfig(kind="eagle", steps=40, eval_every=40, draft_vocab=4096),
+                 sorted(set(tok.all_special_ids)))
+    before, after = result.untrained, result.history[-1]
+    assert after["heldout_loss"] < 0.7 * before["heldout_loss"], (before, after)
+    assert after["top1_agreement"][0] > before["top1_agreement"][0] + 0.05, (before, after)
+    draft = EagleDraft(rt, result.module, "eagle", result.vocabulary)
+    accepted = 0
+    for text in ["And the LORD spake unto Moses, saying,", "Question: what is the capital of France? Answer:"]:
+        prompt = tok(text)["input_ids"]
+        plain, _ = plain_generate(rt, prompt, 24)
+        spec = speculative_generate(rt, draft, prompt, SpecConfig(tree=parse_tree("dynamic:8", 4), max_new_tokens=24))
+        assert len(plain) == 24 and first_divergence(spec.tokens, plain) is None, (text, spec.tokens, plain)
+        accepted += spec.accepted
+    assert accepted > 0

@@ -217,9 +217,8 @@ class _FeatureDraft:
         self.name = name
         self.vocabulary = vocabulary
         self.head = vocabulary_head(target, vocabulary) if vocabulary is not None else head
-        dtype = next(p for p in net.parameters() if p.is_floating_point()).dtype
-        if hasattr(target, "dtype"):
-            dtype = target.dtype
+        # The target's compute dtype (a RuntimeModel says it; a transformers model, its parameters').
+        dtype = getattr(target, "dtype", None) or next(p for p in net.parameters() if p.is_floating_point()).dtype
         # Parameters only: buffers keep their precision (RoPE's inverse frequencies rounded to bf16 put every
         # position past a few dozen at the wrong angle).
         self.module = module.to(device=net.device).eval()
