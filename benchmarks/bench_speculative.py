@@ -204,7 +204,7 @@ def plot(payload: dict, path: Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = []
     for r in rows:
-        label = f"{r['draft_label']}, {r['tree']}, T={r['temperature']}"
+        label = f"{r['draft_label']}, {r['tree']}, T={r['temperature']}" + (", fp32" if r["target"].endswith("fp32") else "")
         labels.append(label)
         acc = r["per_position_acceptance"]
         left.plot(range(1, len(acc) + 1), acc, marker="o", label=label)
