@@ -48,14 +48,10 @@ def validate(opts: SpecOptions) -> None:
         raise InputError(f"--max-new-tokens must be at least 1, got {opts.max_new_tokens}")
     if opts.temperature < 0:
         raise InputError(f"--temperature must be >= 0, got {opts.temperature}")
-    if opts.draft and opts.draft.startswith(("medusa:", "eagle:")):
-        from quantkit.formats import drafter
-
-        kind, _, folder = opts.draft.partition(":")
-        drafter.read(Path(folder), kind)  # a missing or wrong folder is refused before any model work
-        if opts.draft_vocab:
-            raise InputError("--draft-vocab: a fitted drafter's vocabulary is chosen when it is fitted "
-                             "(quantkit draft-heads --draft-vocab)")
+    fitted = bool(opts.draft) and opts.draft.startswith(("medusa:", "eagle:"))
+    if fitted and opts.draft_vocab:
+        raise InputError("--draft-vocab: a fitted drafter's vocabulary is chosen when it is fitted "
+                         "(quantkit draft-heads --draft-vocab)")
     if opts.draft_vocab < 0:
         raise InputError(f"--draft-vocab must be >= 0 (0: the whole vocabulary), got {opts.draft_vocab}")
     if opts.draft_vocab and (opts.draft == "ngram" or opts.grid):
@@ -63,8 +59,11 @@ def validate(opts: SpecOptions) -> None:
     if opts.draft == "ngram" and opts.tree.split(":")[0] not in ("chain", "static"):
         raise InputError("--speculative ngram drafts chains and static trees only (--tree chain or static:WxD)")
     # The draft itself, before any model work (a wrong path once surfaced after the whole KL pass)
-    if opts.draft and opts.draft.startswith(("medusa:", "eagle:")):
-        pass  # read above
+    if fitted:
+        from quantkit.formats import drafter
+
+        kind, _, folder = opts.draft.partition(":")
+        drafter.read(Path(folder), kind)
     elif opts.draft and opts.draft.startswith("self:"):
         from quantkit.runtime.speculative.drafts import SELF_DRAFT_BITS, SELF_DRAFTS, skip_layers
 

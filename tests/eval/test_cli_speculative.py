@@ -95,6 +95,8 @@ def test_a_bad_draft_is_refused_before_any_model_work(tiny_models, monkeypatch):
     _one_line(_eval(target, "--speculative", "self:skip:0"), "positive number of layers")
     _one_line(_eval(target, "--speculative", "ngram", "--draft-vocab", 64), "--draft-vocab applies to a model draft")
     _one_line(_eval(target, "--speculative", "self:W4A8", "--draft-vocab", -1), "--draft-vocab must be >= 0")
+    _one_line(_eval(target, "--speculative", "eagle:/nowhere"), "is not a drafter folder")
+    _one_line(_eval(target, "--speculative", "medusa:/nowhere", "--draft-vocab", 64), "chosen when it is fitted")
 
 
 def test_early_exit_with_a_restricted_vocabulary_through_the_cli(tiny_models, prompts, tmp_path, text_file):
