@@ -117,9 +117,10 @@ def generate_blocks(model_path: str | Path, num_samples: int, seq_len: int, seed
 
 
 def build_mixture(tokenizer, source: str, num_samples: int, seq_len: int, seed: int, split: str,
-                  text_column: str | None, build_one):
+                  text_column: str | None, build_one, self_blocks=None):
     """Token blocks for `self` or a mixture: each component contributes its share of the samples
-    (rounded by largest remainder); `build_one` builds a plain source's blocks."""
+    (rounded by largest remainder); `build_one` builds a plain source's blocks; `self_blocks(count, seq_len, seed)`,
+    where given, writes the `self` share instead of generating it from the tokenizer's model folder."""
     from quantkit.data.calibration import CalibrationSet
 
     parts = parse_mixture(source)
@@ -128,7 +129,10 @@ def build_mixture(tokenizer, source: str, num_samples: int, seq_len: int, seed: 
     for (name, _), count in zip(parts, counts):
         if count == 0:
             continue
-        if name == "self":
+        if name == "self" and self_blocks is not None:
+            ids = self_blocks(count, seq_len, seed if split == "calibration" else seed + 1_000_003)
+            available += ids.numel()
+        elif name == "self":
             model_path = getattr(tokenizer, "name_or_path", None)
             if not model_path or not Path(model_path).is_dir():
                 raise InputError("--dataset self needs the model's folder (the tokenizer was not loaded from one)")

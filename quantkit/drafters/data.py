@@ -55,21 +55,12 @@ def target_text(target, tokenizer, count: int, seq_len: int, seed: int, progress
 
 
 def fit_text(target, tokenizer, source: str, count: int, seq_len: int, seed: int, progress=None) -> torch.Tensor:
-    """Token blocks of `source`: a dataset, `self`, or a mixture (`kjv:0.5,self:0.5`; shares by largest remainder),
-    shuffled with `seed`."""
+    """Token blocks of `source`: a dataset, `self`, or a mixture (`kjv:0.5,self:0.5`), as quantize builds them,
+    except that the target itself, loaded here, writes the `self` share."""
     from quantkit.data.calibration import build_token_blocks
-    from quantkit.data.self_generated import _allocate, parse_mixture
+    from quantkit.data.self_generated import build_mixture, is_special
 
-    parts = parse_mixture(source)
-    blocks = []
-    for (name, _), n in zip(parts, _allocate(count, parts)):
-        if n == 0:
-            continue
-        if name == "self":
-            blocks.append(target_text(target, tokenizer, n, seq_len, seed, progress))
-        else:
-            blocks.append(build_token_blocks(tokenizer, name, n, seq_len, seed).input_ids)
-    ids = torch.cat(blocks)
-    order = list(range(len(ids)))
-    random.Random(seed).shuffle(order)
-    return ids[order]
+    if not is_special(source):
+        return build_token_blocks(tokenizer, source, count, seq_len, seed).input_ids
+    return build_mixture(tokenizer, source, count, seq_len, seed, "calibration", None, build_token_blocks,
+                         lambda n, length, s: target_text(target, tokenizer, n, length, s, progress)).input_ids
