@@ -598,17 +598,24 @@ def moefy_cmd(
     num_samples: int = typer.Option(16, "--num-samples", help="Calibration samples for the clustering and the router fit."),
     seq_len: int = typer.Option(256, "--seq-len", help="Tokens per calibration sample."),
     eval_samples: int = typer.Option(8, "--eval-samples", help="Held-out KJV blocks for the KL report (0: skip)."),
+    local_steps: int = typer.Option(100, "--local-steps", help="Distillation: steps of each layer's fit to its dense MLP (0 with --distill-steps 0: the exact low-temperature split)."),
+    distill_steps: int = typer.Option(100, "--distill-steps", help="Distillation: end-to-end steps on KL(dense || MoE) of the next-token distributions."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Make a real-weight MoE from a dense model (MoEfication), e.g. to test MoE quantisation and `eval --moe`."""
+    """Make a real-weight MoE from a dense model (MoEfication, then distillation), e.g. to test MoE quantisation
+    and `eval --moe`. With --local-steps 0 --distill-steps 0 the split is exact: the dense model at top-k = E."""
 
     def body():
+        from quantkit.convert.moe_distill import DistillOptions
         from quantkit.convert.moefy import MoEfyOptions, evaluate_moe, moefy_model
 
+        distill = (DistillOptions(local_steps=local_steps, steps=distill_steps)
+                   if local_steps or distill_steps else None)
         opts = MoEfyOptions(experts=experts, top_k=top_k, shared_experts=shared_experts,
-                            layout=layout or ("qwen2_moe" if shared_experts else "qwen3_moe"), router_fit=router_fit)
+                            layout=layout or ("qwen2_moe" if shared_experts else "qwen3_moe"), router_fit=router_fit,
+                            distill=distill)
         summary = moefy_model(model, output, opts, num_samples=num_samples, seq_len=seq_len, overwrite=overwrite)
         if eval_samples > 0:
             ks = sorted({1, max(1, top_k // 2), top_k, min(experts, 2 * top_k), experts})
@@ -624,6 +631,9 @@ def moefy_cmd(
         for name, run in (summary.get("eval") or {}).get("runs", {}).items():
             console.print(f"held-out KL(dense || MoE) routing {name}: {run['kl']:.4f}, top-1 agreement "
                           f"{run['top1_agree']:.3f}", highlight=False)
+        overlap = (summary.get("eval") or {}).get("routing_overlap_bf16_fp32")
+        if overlap is not None:
+            console.print(f"routing top-k overlap, bf16 run against fp32 run: {overlap:.4f}", highlight=False)
 
     _guarded(debug, body)
 

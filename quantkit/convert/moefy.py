@@ -28,6 +28,11 @@ power-of-two E: there the combine is exactly the sum of the selected experts. In
 differs from the dense MLP by < 2^-10 relative (the test checks it; an exactly-zero router reproduces it
 to rounding).
 
+Distillation (`MoEfyOptions.distill`, convert/moe_distill.py) gives up that identity for a model that behaves like
+a trained MoE: the router at a normal temperature (its logits spread by about one unit per token), top-k weights
+normalised, and router and experts fitted to the dense model, first layer by layer and then end to end on its
+next-token distributions. Its combine weights vary with the token, so at k = E it is no longer the dense MLP.
+
 Attention: qwen2_moe takes Llama's attention as is (qkv_bias off); qwen3_moe adds per-head q/k RMSNorms,
 which are put into their linear regime (q_proj, k_proj scaled by a power of two so the per-head mean
 square is <= 1e-6 eps on calibration; the norm weights undo the scale; the q and k norm weights are picked
@@ -48,9 +53,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quantkit.convert.moe_distill import DistillOptions
 from quantkit.convert.output import prepare_output
 from quantkit.errors import InputError
 from quantkit.formats.files import publish
+from quantkit.progress import progress_bar
 
 LAYOUTS = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
 ROUTER_FITS = ("lstsq", "centroid")
@@ -71,8 +78,11 @@ class MoEfyOptions:
     feature_tokens: int = 2048  # calibration tokens whose activations describe a neuron in the clustering
     ridge: float = 1e-3  # lstsq: relative to the mean diagonal of X^T X
     seed: int = 0
+    distill: DistillOptions | None = None  # None: the exact low-temperature split (dense at k = E)
 
     def check(self) -> None:
+        if self.distill is not None:
+            self.distill.check()
         if self.layout not in LAYOUTS:
             raise InputError(f"unknown --layout {self.layout!r}; valid: {', '.join(LAYOUTS)}")
         if self.router_fit not in ROUTER_FITS:
@@ -220,6 +230,7 @@ def router_quality(x: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
 @dataclass
 class LayerMoE:
     router: torch.Tensor  # [E, H] written router (low temperature)
+    router_fit: torch.Tensor  # [E, H] the fitted router before the temperature
     gate: torch.Tensor  # [E, m, H]
     up: torch.Tensor  # [E, m, H]
     down: torch.Tensor  # [E, H, m] (not yet scaled for the combine)
@@ -258,7 +269,7 @@ def moefy_layer(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     peak = (x @ w.T).abs().max().item()
     tau = LOGIT_BOUND / peak if peak > 0 else 0.0
     gp, upp, dp = _padded(gate, split.padded, 0), _padded(up, split.padded, 0), _padded(down, split.padded, 1)
-    out = LayerMoE(router=w * tau, gate=gp[routed], up=upp[routed], down=dp[:, routed].permute(1, 0, 2),
+    out = LayerMoE(router=w * tau, router_fit=w, gate=gp[routed], up=upp[routed], down=dp[:, routed].permute(1, 0, 2),
                    shared_gate=None, shared_up=None, shared_down=None)
     if split.shared.numel():
         out.shared_gate, out.shared_up, out.shared_down = gp[split.shared], upp[split.shared], dp[:, split.shared]
@@ -314,6 +325,8 @@ def moe_config(src: dict, opts: MoEfyOptions, moe_size: int) -> dict:
         cfg.update({"n_routed_experts": e, "num_experts_per_tok": k, "moe_intermediate_size": moe_size,
                     "n_shared_experts": s, "first_k_dense_replace": 0, "moe_layer_freq": 1, "n_group": 1,
                     "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 2.0})
+        if opts.distill is not None:
+            cfg.update({"norm_topk_prob": True, "routed_scaling_factor": 1.0})
         return cfg
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
@@ -329,6 +342,8 @@ def moe_config(src: dict, opts: MoEfyOptions, moe_size: int) -> dict:
         cfg.update({"qkv_bias": False, "shared_expert_intermediate_size": s * moe_size})
     else:
         cfg["attention_bias"] = False
+    if opts.distill is not None:
+        cfg["norm_topk_prob"] = True
     return cfg
 
 
@@ -340,11 +355,15 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(path, dst / path.name)
 
 
-def _layer_tensors(i: int, moe: LayerMoE, opts: MoEfyOptions, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _layer_tensors(i: int, moe: LayerMoE, opts: MoEfyOptions, dtype: torch.dtype,
+                   shared_expert_gate: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """A layer's MoE tensors. The exact split scales them for its near-constant combine weights; a distilled
+    layer (`shared_expert_gate` given for Qwen2-MoE) is written as fitted."""
     p = f"model.layers.{i}.mlp."
+    distilled = opts.distill is not None
     # Softmax routers: every combine weight is ~1/E, so each routed expert's output is scaled by E (exact in
     # any dtype for a power-of-two E). DeepSeek: 2 * sigmoid(~0) = 1 (routed_scaling_factor 2), no scale.
-    scale = 1.0 if opts.layout == "deepseek_v3" else float(opts.experts)
+    scale = 1.0 if opts.layout == "deepseek_v3" or distilled else float(opts.experts)
     out = {p + "gate.weight": moe.router.to(dtype)}
     for e in range(opts.experts):
         q = f"{p}experts.{e}."
@@ -355,7 +374,9 @@ def _layer_tensors(i: int, moe: LayerMoE, opts: MoEfyOptions, dtype: torch.dtype
         name = "shared_experts" if opts.layout == "deepseek_v3" else "shared_expert"
         q = f"{p}{name}."
         shared_scale = 1.0
-        if opts.layout == "qwen2_moe":
+        if opts.layout == "qwen2_moe" and distilled:
+            out[p + "shared_expert_gate.weight"] = shared_expert_gate.to(dtype)
+        elif opts.layout == "qwen2_moe":
             # Qwen2-MoE scales the shared output by sigmoid(shared_expert_gate(x)): a zero gate gives 1/2.
             out[p + "shared_expert_gate.weight"] = torch.zeros(1, moe.router.shape[1], dtype=dtype)
             shared_scale = 2.0
@@ -368,6 +389,16 @@ def _layer_tensors(i: int, moe: LayerMoE, opts: MoEfyOptions, dtype: torch.dtype
 
 
 # ------------------------------------------------------------------------------------------ the driver
+
+
+def _layout_spec(layout: str, cfg: dict):
+    """The RouterSpec the written config will route by (the runtime's reading of it)."""
+    from transformers import CONFIG_MAPPING
+
+    from quantkit.models.moe import router_spec
+    from quantkit.runtime.model import _generic_adapter
+
+    return router_spec(_generic_adapter(layout), CONFIG_MAPPING[layout](**cfg))
 
 
 def _load_source(path: Path):
@@ -463,20 +494,58 @@ def moefy_model(source: str | Path | None, output: Path, opts: MoEfyOptions, dat
             continue
         tensors[name] = t.to(dtype) if t.is_floating_point() else t
     layers_report = []
-    for i, layer in enumerate(model.model.layers):
-        mlp = layer.mlp
-        moe = moefy_layer(xs[i], mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, mlp.act_fn, opts)
-        xs[i] = None  # release the layer's activations as soon as it is done
-        tensors.update(_layer_tensors(i, moe, opts, dtype))
-        if qwen3:
-            p = f"model.layers.{i}.self_attn."
-            sq, sk, wq, wk = qwen3_norm_regime(qk[i][0], qk[i][1], config.rms_norm_eps, dtype)
-            tensors[p + "q_proj.weight"] = (layer.self_attn.q_proj.weight * sq).to(dtype)
-            tensors[p + "k_proj.weight"] = (layer.self_attn.k_proj.weight * sk).to(dtype)
-            tensors[p + "q_norm.weight"] = torch.full((cfg["head_dim"],), wq, dtype=dtype)
-            tensors[p + "k_norm.weight"] = torch.full((cfg["head_dim"],), wk, dtype=dtype)
-            moe.report["qk_norm"] = {"q_scale": sq, "k_scale": sk, "q_norm": wq, "k_norm": wk}
-        layers_report.append({"layer": i, **moe.report})
+    students = []
+    distill = opts.distill
+    spec = _layout_spec(opts.layout, cfg) if distill else None
+    with progress_bar() as bar:
+        split_task = bar.add_task("split" + (" + local fits" if distill else ""), total=len(model.model.layers),
+                                  info="")
+        gen = torch.Generator().manual_seed(opts.seed)
+        for i, layer in enumerate(model.model.layers):
+            mlp = layer.mlp
+            moe = moefy_layer(xs[i], mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, mlp.act_fn,
+                              opts)
+            if distill:
+                from quantkit.convert.moe_distill import Switch, fit_local, student_from_split
+
+                target = mlp(xs[i])  # the dense MLP's outputs, under moefy_model's no_grad
+                with torch.enable_grad():
+                    student = student_from_split(moe, spec, mlp.act_fn, xs[i], distill,
+                                                 shared_gate=opts.layout == "qwen2_moe")
+                    moe.report["local_fit"] = fit_local(student, xs[i], target, distill, gen)
+                layer.mlp = Switch(mlp, student)
+                students.append(layer.mlp)
+                bar.update(split_task, info=f"layer {i}: relative error "
+                                            f"{moe.report['local_fit']['relative_error_after']:.3f}")
+            else:
+                tensors.update(_layer_tensors(i, moe, opts, dtype))
+            xs[i] = None  # release the layer's activations as soon as it is done
+            if qwen3:
+                p = f"model.layers.{i}.self_attn."
+                sq, sk, wq, wk = qwen3_norm_regime(qk[i][0], qk[i][1], config.rms_norm_eps, dtype)
+                tensors[p + "q_proj.weight"] = (layer.self_attn.q_proj.weight * sq).to(dtype)
+                tensors[p + "k_proj.weight"] = (layer.self_attn.k_proj.weight * sk).to(dtype)
+                tensors[p + "q_norm.weight"] = torch.full((cfg["head_dim"],), wq, dtype=dtype)
+                tensors[p + "k_norm.weight"] = torch.full((cfg["head_dim"],), wk, dtype=dtype)
+                moe.report["qk_norm"] = {"q_scale": sq, "k_scale": sk, "q_norm": wq, "k_norm": wk}
+            layers_report.append({"layer": i, **moe.report})
+            bar.update(split_task, advance=1)
+        history = None
+        if distill:
+            from quantkit.convert.moe_distill import fit_end_to_end
+
+            e2e_task = bar.add_task("distillation", total=distill.steps, info="")
+            with torch.enable_grad():
+                history = fit_end_to_end(model, students, calib.input_ids, distill, gen,
+                                         lambda step, loss: bar.update(e2e_task, completed=step,
+                                                                       info=f"KL {loss:.3f}"))
+            for i, switch in enumerate(students):
+                t = switch.student.tensors()
+                fitted = LayerMoE(router=t["router"], router_fit=t["router"], gate=t["gate"], up=t["up"],
+                                  down=t["down"], shared_gate=None, shared_up=None, shared_down=None)
+                if t["shared"] is not None:
+                    fitted.shared_gate, fitted.shared_up, fitted.shared_down = t["shared"]
+                tensors.update(_layer_tensors(i, fitted, opts, dtype, t["shared_gate"]))
     partial = prepare_output(output, overwrite)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial / "model.safetensors"),
@@ -489,6 +558,11 @@ def moefy_model(source: str | Path | None, output: Path, opts: MoEfyOptions, dat
                    "options": asdict(opts), "moe_intermediate_size": m, "dtype": cfg["dtype"],
                    "calibration": calib.describe(), "router_fit_mean": fits, "layers": layers_report,
                    "wall_seconds": round(time.time() - start, 2)}
+        if history is not None:
+            summary["distillation"] = {"heldout_kl": history,
+                                       "local_relative_error_mean": round(sum(
+                                           r["local_fit"]["relative_error_after"] for r in layers_report)
+                                           / len(layers_report), 5)}
         (partial / "moefy.json").write_text(json.dumps(summary, indent=2, default=str))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -510,9 +584,11 @@ def _kl_stats(base: torch.Tensor, cand: torch.Tensor) -> tuple[float, float]:
 
 @torch.no_grad()
 def evaluate_moe(dense: str | Path | None, moe: Path, ks: list[int], num_samples: int = 8, seq_len: int = 256,
-                 seed: int = 42, batch_size: int = 4, dtype: str | torch.dtype | None = "float32") -> dict:
+                 seed: int = 42, batch_size: int = 4, dtype: str | torch.dtype | None = "float32",
+                 precision_overlap: bool = True) -> dict:
     """Held-out KL(dense || MoE) with the checkpoint's router at each k in `ks`, and with random routing of the
-    same experts at the checkpoint's k (same combine rule), on quantkit's runtime."""
+    same experts at the checkpoint's k (same combine rule), on quantkit's runtime; with `precision_overlap`, the
+    routing overlap of the checkpoint's own bf16 and fp32 runs."""
     from transformers import AutoTokenizer
 
     from quantkit.data.calibration import build_token_blocks
@@ -543,4 +619,26 @@ def evaluate_moe(dense: str | Path | None, moe: Path, ks: list[int], num_samples
                 a, b = _kl_stats(base[j][:, :-1], logits[:, :-1])
                 kl, top1, n = kl + a, top1 + b, n + logits[:, :-1].shape[:2].numel()
         out[name] = {"kl": kl / n, "top1_agree": top1 / n}
-    return {"num_experts": spec.num_experts, "top_k": spec.top_k, "tokens": n, "runs": out}
+    result = {"num_experts": spec.num_experts, "top_k": spec.top_k, "tokens": n, "runs": out}
+    if precision_overlap:
+        result["routing_overlap_bf16_fp32"] = precision_routing_overlap(rt, moe, ids, batch_size)
+    return result
+
+
+@torch.no_grad()
+def precision_routing_overlap(rt, path: Path, ids: torch.Tensor, batch_size: int = 4) -> float:
+    """Mean top-k overlap between the routing of `rt` (fp32) and of the same checkpoint run in bf16, every
+    token and MoE layer: how far the routing decisions sit from rounding noise."""
+    from quantkit.eval.moe import RoutingRecorder, routing_drift
+    from quantkit.runtime import load_model
+    from quantkit.runtime.moe import moe_blocks, observe_routing
+
+    num_experts = moe_blocks(rt.model)[0].spec.num_experts
+    records = []
+    for model in (rt, load_model(path, torch.bfloat16)):
+        rec = RoutingRecorder(num_experts)
+        with observe_routing(model.model, rec):
+            for s in range(0, len(ids), batch_size):
+                model(input_ids=ids[s:s + batch_size], use_cache=False)
+        records.append(rec)
+    return routing_drift(records[1], records[0], ids.numel())["routing_topk_overlap"]

@@ -41,8 +41,9 @@ class MoEEvalOptions:
     bias_step_tokens: int = 16
     samples: int = 8  # token blocks for drift, capacity and bias runs (the first ones of the eval set)
     offload_cache: tuple[int, ...] = ()  # cache sizes (experts per layer) for the offload runs; () = E/2
-    offload_runs: tuple[tuple[str, bool], ...] = (("lru", False), ("lfu", False), ("trace", False),
-                                                  ("lru", True), ("trace", True))  # (policy, draft prefetch)
+    # (policy, prefetch): "" none, "overlap" on the background thread, "sync" in the hook before the layer
+    offload_runs: tuple[tuple[str, str], ...] = (("lru", ""), ("lfu", ""), ("trace", ""), ("lru", "overlap"),
+                                                 ("lru", "sync"), ("trace", "overlap"))
     prompt_tokens: int = 32  # offload runs: greedy decode of decode_tokens after a prompt of prompt_tokens
     decode_tokens: int = 32
 
@@ -422,15 +423,17 @@ def offload_runs(path, prompt: torch.Tensor, sizes, opts: MoEEvalOptions, dtype,
     resident = load_model(path, dtype, device)
     ref, ref_s = greedy_decode(resident, prompt, opts.decode_tokens)
     del resident
-    rows = [{"policy": "resident", "prefetch": False, "cache": None, "hit_rate": 1.0, "prefetch_fidelity": None,
+    rows = [{"policy": "resident", "prefetch": None, "cache": None, "hit_rate": 1.0, "prefetch_fidelity": None,
              "bytes_moved": 0, "decode_tok_s": round(opts.decode_tokens / ref_s, 2), "exact": True}]
     for size in sizes:
         for policy, prefetch in opts.offload_runs:
             rt = load_model(path, dtype, device)
-            cache = install_offload(rt, OffloadOptions(size, policy, prefetch), profile)
+            cache = install_offload(rt, OffloadOptions(size, policy, bool(prefetch), overlap=prefetch != "sync"),
+                                    profile)
             logits, secs = greedy_decode(rt, prompt, opts.decode_tokens, on_prefill=cache.reset_stats)
             st = cache.stats.to_dict()
-            rows.append({"policy": policy + ("+prefetch" if prefetch else ""), "prefetch": prefetch, "cache": size,
+            name = policy + {"": "", "overlap": "+prefetch", "sync": "+prefetch-sync"}[prefetch]
+            rows.append({"policy": name, "prefetch": prefetch or None, "cache": size,
                          "hit_rate": st["hit_rate"], "prefetch_fidelity": st["prefetch_fidelity"],
                          "bytes_moved": st["bytes_moved"], "demand_loads": st["demand_loads"],
                          "prefetch_loads": st["prefetch_loads"], "requests": st["requests"],

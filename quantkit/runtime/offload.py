@@ -16,6 +16,10 @@ Prefetch (`prefetch=True`, after MoE-SpeQ's draft-predicted experts): when decod
 predicts layer l+1's experts by running layer l+1's own post-attention norm and (unquantised) router on the
 hidden state leaving layer l, skipping l+1's attention, and loads the predicted experts before layer l+1
 asks for them. Prediction fidelity = |predicted ∩ used| / k per token and layer.
+With `overlap` (the default) those loads run on one background thread while layer l+1's attention computes,
+and a request for an expert still in flight waits for it; the block's end files the finished ones into the
+cache. Without it they run in the hook, before the attention: every prefetch then costs what the miss it saves
+would have, plus the wrong guesses, so synchronous prefetch can raise the hit rate but never the speed.
 Hit rate counts demand requests only (a prefetched expert that is then used is a hit).
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +48,7 @@ class OffloadOptions:
     cache_size: int  # experts per MoE layer kept resident
     policy: str = "lru"
     prefetch: bool = False
+    overlap: bool = True  # prefetch loads on a background thread (False: in the hook, before the layer runs)
     trace_decay: float = 0.9  # trace policy: weight of a request after each further request in the layer
     profile_weight: float = 1.0  # trace policy: weight of the routing-profile frequency (scaled to requests)
 
@@ -134,6 +140,8 @@ class ExpertCache:
         self.recent: dict[int, torch.Tensor] = {}
         self.prior: dict[int, torch.Tensor] = {}
         self.predicted: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, dict[int, Future]] = {}
+        self._pool: ThreadPoolExecutor | None = None
         for layer, block in self.blocks.items():
             experts: UnfusedExperts = getattr(block, spec.experts)
             full = module_name[id(experts)]  # e.g. model.layers.3.mlp.experts
@@ -151,6 +159,7 @@ class ExpertCache:
                 self.templates[(layer, e)] = _stripped(module, entries)
                 experts.experts[e] = _Standin(self, layer, e)
             self.resident[layer] = OrderedDict()
+            self.pending[layer] = {}
             self.freq[layer] = torch.zeros(self.num_experts)
             self.recent[layer] = torch.zeros(self.num_experts)
             self.prior[layer] = torch.zeros(self.num_experts)
@@ -168,11 +177,14 @@ class ExpertCache:
 
     # --------------------------------------------------------------------------------- residency
 
-    def _build(self, layer: int, expert: int) -> nn.Module:
+    def _build(self, layer: int, expert: int) -> tuple[nn.Module, int, float]:
+        """(the expert, bytes read, seconds): touches no cache state, so it may run on the prefetch thread."""
+        start = time.perf_counter()
+        moved = 0
         module = copy.deepcopy(self.templates[(layer, expert)])
         for child_name, leaf, ckpt, is_param in self.tensors[(layer, expert)]:
             t = self._where[ckpt].get_tensor(ckpt)
-            self.stats.bytes_moved += t.numel() * t.element_size()
+            moved += t.numel() * t.element_size()
             child = module.get_submodule(child_name) if child_name else module
             if isinstance(child, QuantLinear) and not is_param:
                 child._buffers[leaf] = t.to(self.device)  # quantised tensors as stored, like load_model
@@ -182,12 +194,16 @@ class ExpertCache:
         for child in module.modules():
             if isinstance(child, QuantLinear) and getattr(child, "_offload_kernels", False):
                 dispatch.prepare_layer(child, "auto")  # the kernel the resident model chose, re-prepared
-        return module.eval()
+        return module.eval(), moved, time.perf_counter() - start
 
     def _load(self, layer: int, expert: int, demand: bool, count: bool = True) -> nn.Module:
-        start = time.perf_counter()
-        module = self._build(layer, expert)
-        self.stats.load_seconds += time.perf_counter() - start
+        return self._insert(layer, expert, self._build(layer, expert), demand, count)
+
+    def _insert(self, layer: int, expert: int, built: tuple[nn.Module, int, float], demand: bool,
+                count: bool = True) -> nn.Module:
+        module, moved, seconds = built
+        self.stats.bytes_moved += moved
+        self.stats.load_seconds += seconds
         if count:
             if demand:
                 self.stats.loads += 1
@@ -221,7 +237,18 @@ class ExpertCache:
             self.stats.hits += 1
             cache.move_to_end(expert)
             return cache[expert]
+        future = self.pending[layer].pop(expert, None)
+        if future is not None:  # prefetched, perhaps still in flight: a hit, at most a shorter wait
+            self.stats.hits += 1
+            return self._insert(layer, expert, future.result(), demand=False)
         return self._load(layer, expert, demand=True)
+
+    def _settle(self, layer: int) -> None:
+        """File the layer's finished prefetches into its cache; those in flight stay pending."""
+        for expert, future in list(self.pending[layer].items()):
+            if future.done():
+                del self.pending[layer][expert]
+                self._insert(layer, expert, future.result(), demand=False)
 
     def reset_stats(self) -> None:
         """Start counting afresh (after a prefill, to measure decode alone); residency is kept."""
@@ -238,6 +265,8 @@ class ExpertCache:
 
         adapter = _generic_adapter(getattr(rt.config, "model_type", "?"))
         layers = _get(rt.model, adapter.layers_path)
+        if self.opts.overlap:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-prefetch")
         for layer, block in self.blocks.items():
             if layer == 0:
                 continue
@@ -253,12 +282,18 @@ class ExpertCache:
                 if len(wanted) > self.opts.cache_size:
                     return  # a prefill: more experts than fit; loading them would only churn the cache
                 for e in wanted:
-                    if e not in self.resident[layer]:
-                        self._load(layer, e, demand=False)
-                    else:
+                    if e in self.resident[layer]:
                         self.resident[layer].move_to_end(e)
+                    elif e in self.pending[layer]:
+                        continue
+                    elif self._pool is not None:
+                        self.pending[layer][e] = self._pool.submit(self._build, layer, e)
+                    else:
+                        self._load(layer, e, demand=False)
 
             self._hooks.append(prev.register_forward_hook(after))
+            if self._pool is not None:
+                self._hooks.append(block.register_forward_hook(lambda mod, args, out, layer=layer: self._settle(layer)))
             self._hooks.append(block.add_router_observer(self._score_prediction))
 
     def _score_prediction(self, layer: int, n: int, selected: torch.Tensor, weights, scores) -> None:
@@ -274,6 +309,11 @@ class ExpertCache:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for pending in self.pending.values():
+            pending.clear()
 
 
 def _disk_prefix(adapter, module_name: str, expert: int) -> str:

@@ -167,13 +167,24 @@ def test_moefy_command_ships_with_the_package(tiny_models, tmp_path):
     out = tmp_path / "moe"
     result = CliRunner().invoke(app, ["moefy", "--model", str(tiny_models["llama"]), "--experts", "4", "--top-k", "2",
                                       "--num-samples", "4", "--seq-len", "32", "--eval-samples", "2",
-                                      "--output", str(out), "--json"])
+                                      "--local-steps", "0", "--distill-steps", "0", "--output", str(out), "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     cfg = AutoConfig.from_pretrained(out)
     assert cfg.model_type == "qwen3_moe" and cfg.num_experts == 4 and cfg.num_experts_per_tok == 2
     runs = summary["eval"]["runs"]
     assert runs["top4"]["kl"] < runs["random2"]["kl"]  # all experts on = the dense MLP, far from random routing
+    assert "distillation" not in summary and cfg.norm_topk_prob is False  # the exact split
+    # The default distils: normal-temperature router, normalised weights, a fit report.
+    result = CliRunner().invoke(app, ["moefy", "--model", str(tiny_models["llama"]), "--experts", "4", "--top-k", "2",
+                                      "--num-samples", "8", "--seq-len", "32", "--eval-samples", "2",
+                                      "--local-steps", "5", "--distill-steps", "2", "--output", str(tmp_path / "d"),
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert AutoConfig.from_pretrained(tmp_path / "d").norm_topk_prob is True
+    assert [h["step"] for h in summary["distillation"]["heldout_kl"]][::2] == [0, 2]  # every quarter, and the end
+    assert 0 <= summary["eval"]["routing_overlap_bf16_fp32"] <= 1
     bad = CliRunner().invoke(app, ["moefy", "--model", str(tiny_models["llama"]), "--experts", "4", "--top-k", "9",
                                    "--output", str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "--top-k must be within 1..4" in bad.stderr and not (tmp_path / "bad").exists()

@@ -158,7 +158,8 @@ def test_eval_moe_json(moe_ckpt, tiny_models):
         assert m["max_over_mean_load"] >= 1.0
         # Offload runs at the default cache of E/2: every policy decodes exactly the resident logits.
         runs = {o["policy"]: o for o in m["offload"]}
-        assert set(runs) == {"resident", "lru", "lfu", "trace", "lru+prefetch", "trace+prefetch"}
+        assert set(runs) == {"resident", "lru", "lfu", "trace", "lru+prefetch", "lru+prefetch-sync",
+                             "trace+prefetch"}
         assert all(o["exact"] for o in m["offload"]) and runs["lru"]["cache"] == 2
         assert 0 <= runs["lru"]["hit_rate"] <= 1 and runs["lru+prefetch"]["prefetch_fidelity"] is not None
     # The baseline against itself: identical routing; the quantised checkpoint drifts somewhat.

@@ -29,12 +29,13 @@ def quantised(tiny_models, tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "mixtral", "quantised"])
-@pytest.mark.parametrize("policy,prefetch", [("lru", False), ("lfu", False), ("trace", True)])
-def test_offloaded_decode_has_exactly_the_resident_logits(tiny_models, quantised, family, policy, prefetch):
+@pytest.mark.parametrize("policy,prefetch,overlap", [("lru", False, True), ("lfu", False, True), ("trace", True, True),
+                                                     ("lru", True, False)])
+def test_offloaded_decode_has_exactly_the_resident_logits(tiny_models, quantised, family, policy, prefetch, overlap):
     path = quantised if family == "quantised" else tiny_models[family]
     ref, _ = greedy_decode(load_model(path), PROMPT, 12)
     rt = load_model(path)
-    cache = install_offload(rt, OffloadOptions(2, policy, prefetch))
+    cache = install_offload(rt, OffloadOptions(2, policy, prefetch, overlap=overlap))
     got, _ = greedy_decode(rt, PROMPT, 12)
     assert torch.equal(got, ref)
     assert cache.stats.requests > 0 and cache.stats.loads > 0 and cache.stats.bytes_moved > 0
@@ -84,17 +85,30 @@ def test_policies_evict_as_defined(tiny_models):
     assert 3 in trace.resident_experts(0) and trace.stats.hits == 0
 
 
-def test_draft_prefetch_predicts_and_raises_the_hit_rate(tiny_models):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_draft_prefetch_predicts_and_raises_the_hit_rate(tiny_models, overlap):
+    import threading
+
     path = tiny_models["qwen3_moe"]
-    rates = {}
+    rates, threads = {}, set()
     for prefetch in (False, True):
         rt = load_model(path)
-        cache = install_offload(rt, OffloadOptions(2, "lru", prefetch))
+        cache = install_offload(rt, OffloadOptions(2, "lru", prefetch, overlap=overlap))
+        build = cache._build
+
+        def spy(layer, expert, build=build):
+            threads.add(threading.current_thread().name.split("_")[0])
+            return build(layer, expert)
+
+        cache._build = spy
         greedy_decode(rt, PROMPT, 24, on_prefill=cache.reset_stats)
         rates[prefetch] = cache.stats.to_dict()
+        cache.remove()
     assert rates[True]["prefetch_fidelity"] is not None and rates[True]["prefetch_fidelity"] > 2 / 4
     assert rates[True]["prefetch_loads"] > 0
     assert rates[True]["hit_rate"] > rates[False]["hit_rate"]
+    # Overlapped prefetch builds experts on its own thread; synchronous prefetch never leaves the caller's.
+    assert ("quantkit-prefetch" in threads) == overlap
 
 
 def test_offloaded_quantised_experts_give_back_their_kernel_tensors(quantised):
