@@ -138,6 +138,7 @@ def quantize(
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Calibration samples (default 128)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sample (default 512)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (default 42)."),
+    expert_tokens: Optional[str] = typer.Option(None, "--expert-tokens", help="MoE experts' calibration statistics: all (default; every expert also sees the tokens not routed to it) or routed (its own tokens only; an expert routed fewer than calibration.min_expert_tokens is quantised by RTN). The manifest lists the starved experts either way."),
     schedule: Optional[str] = typer.Option(None, "--schedule", help="auto (default: one-pass where its held activations fit in a quarter of free memory, else two-pass), one-pass (a layer's linears calibrate group by group in call order inside one forward) or two-pass (statistics from an unquantised pass, then a quantised pass)."),
     actorder: Optional[str] = typer.Option(None, "--actorder", help="GPTQ column order: static (default), group (writes g_idx) or none."),
     dampening: Optional[float] = typer.Option(None, "--dampening", help="GPTQ dampening relative to mean diag(H) (default 0.1)."),
@@ -195,7 +196,7 @@ def quantize(
                 fields_["schemes"] = given
             rec.quantization.mixed = MixedSpec(**fields_)
         rec.override("calibration", dataset=dataset, num_samples=num_samples, seq_len=seq_len, seed=seed,
-                     text_column=text_column, schedule=schedule)
+                     text_column=text_column, schedule=schedule, expert_tokens=expert_tokens)
         out = output or (Path(rec.output) if rec.output else None)
         if out is None:
             raise QuantkitError("--output is required (or an `output:` field in the recipe)")

@@ -61,6 +61,7 @@ class QuantizationSpec:
 
 
 SCHEDULES = ("auto", "one-pass", "two-pass")
+EXPERT_TOKENS = ("all", "routed")
 
 
 @dataclass
@@ -77,10 +78,21 @@ class CalibrationSpec:
     # pass, then a quantised pass; auto: one-pass where the paused batches' activations fit in a quarter of the
     # free memory (quantkit.pipeline.grouped; README, "Calibration schedule").
     schedule: str = "auto"
+    # MoE experts' statistics: from every calibration token (each expert also runs on the tokens not routed to
+    # it; E/k times the expert compute of the statistics pass) or from its routed tokens only. With "routed", an
+    # expert routed fewer than min_expert_tokens tokens is starved: methods that need statistics give it RTN.
+    # Either way the manifest lists the starved experts.
+    expert_tokens: str = "all"
+    min_expert_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise InputError(f"calibration.schedule must be {' or '.join(SCHEDULES)}, not {self.schedule!r}")
+        if self.expert_tokens not in EXPERT_TOKENS:
+            raise InputError(f"calibration.expert_tokens must be {' or '.join(EXPERT_TOKENS)}, "
+                             f"not {self.expert_tokens!r}")
+        if self.min_expert_tokens < 1:
+            raise InputError(f"calibration.min_expert_tokens must be at least 1, not {self.min_expert_tokens}")
 
 
 @dataclass

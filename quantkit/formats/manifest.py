@@ -117,6 +117,7 @@ def write_manifest(folder: Path, recipe, summary: dict, handle) -> dict:
         "events": summary["events"],
         "scheme_overrides": summary.get("scheme_overrides", {}),  # linears on a fallback scheme, by name
         "tp_warnings": summary.get("tp_warnings", []),
+        **({"experts": summary["experts"]} if "experts" in summary else {}),  # MoE: calibration, starved experts
         "files": files,
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2))

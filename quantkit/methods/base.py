@@ -63,6 +63,11 @@ class LayerContext:
     active: set[str] | None = None
     input_leaders: dict[str, str] = field(default_factory=dict)
     schedule: str = "two-pass"  # which schedule calibrated this layer (recorded in the manifest)
+    # MoE experts' statistics from every token (recipe calibration.expert_tokens "all"), or only routed ones,
+    # with experts routed fewer than min_expert_tokens quantised by RTN.
+    all_expert_tokens: bool = True
+    min_expert_tokens: int = 64
+    expert_linears: set[str] = field(default_factory=set)  # targets inside routed experts (not shared ones)
     global_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # NVFP4, per linear (see global_scale)
     # --kv-cache: absmax per KV head of the keys ("k", after RoPE) and values ("v") the layer stores, observed in
     # the pass that feeds the next layer (emptied as that pass starts, so earlier passes do not count)

@@ -535,8 +535,11 @@ class GPTQ(Method):
             bad = self._bad_batches.get(leader, 0)
             if bad:
                 ctx.warn(leader, f"gptq: skipped {bad} calibration batch(es) with NaN/Inf activations")
-            if tokens < cfg.min_tokens:
-                why = "received no calibration tokens" if tokens == 0 else f"saw only {tokens} calibration tokens (< {cfg.min_tokens})"
+            # Routed expert statistics: a starved expert's Hessian is too thin to trust (recipe min_expert_tokens).
+            starvable = not ctx.all_expert_tokens and leader in ctx.expert_linears
+            least = max(cfg.min_tokens, ctx.min_expert_tokens) if starvable else cfg.min_tokens
+            if tokens < least:
+                why = "received no calibration tokens" if tokens == 0 else f"saw only {tokens} calibration tokens (< {least})"
                 for name in names:
                     ctx.warn(name, f"gptq: {why}; fell back to RTN")
                     self._rtn(ctx, name, reason="no-tokens")

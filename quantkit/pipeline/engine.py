@@ -215,6 +215,12 @@ def _run_key(recipe: Recipe, calib: CalibrationSet, handle: ModelHandle) -> str:
     return h.hexdigest()
 
 
+def routed_expert_linears(layer: nn.Module, targets: dict[str, nn.Linear]) -> set[str]:
+    """The targets that belong to a routed expert (inside an UnfusedExperts), by their layer-local names."""
+    inside = {id(m) for u in layer.modules() if isinstance(u, UnfusedExperts) for m in u.modules()}
+    return {n for n, m in targets.items() if id(m) in inside}
+
+
 def _set_calibration_mode(layer: nn.Module, on: bool) -> None:
     for module in layer.modules():
         if isinstance(module, UnfusedExperts):
@@ -315,7 +321,7 @@ def process_layer(
         if k == 0 or needs_stats:
             hooks = [h for m in stage for h in m.attach(ctx)] if needs_stats else []
             hooks += [_observe_absmax(ctx, n) for n in observe]
-            _set_calibration_mode(layer, needs_stats)
+            _set_calibration_mode(layer, needs_stats and ctx.all_expert_tokens)
             began = time.perf_counter()
             passed = batches.for_statistics(stage, bool(observe)) if needs_stats else measured
             with torch.no_grad(), ctx.phase("calibration_pass"):
@@ -728,6 +734,11 @@ def prepare_run(recipe: Recipe, tp: int | None = None, device: str = "cpu") -> R
     c.__post_init__()  # fields set after loading (CLI flags) are checked as a loaded recipe's are
     scheme = get_scheme(q.scheme, q.group_size)
     methods = build_methods(q.method, scheme, q.options)
+    folding = [m.name for m in methods if m.name in ("awq", "smoothquant")]
+    if c.expert_tokens == "routed" and folding:
+        raise InputError(f"calibration.expert_tokens routed does not work with {folding[0]}: it folds one scale "
+                         "into the input of every expert of a layer, which wants every expert's statistics on the "
+                         "same tokens; use expert_tokens all")
     choices = _mixed_choices(q, methods) if q.mixed else None
     resolved = resolve_model(recipe.model.source)
     handle = open_model(resolved, recipe.model.trust_remote_code)
@@ -944,7 +955,8 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
                    Path(offload_dir) if offload_dir else None, weight_dtype,
                    torch.float32 if autocast else compute.dtype, autocast, setup.error_batches, ranks,
                    schedule=recipe.calibration.schedule, device_peak=device_peak,
-                   kv_cache=recipe.quantization.kv_cache)
+                   kv_cache=recipe.quantization.kv_cache, expert_tokens=recipe.calibration.expert_tokens,
+                   min_expert_tokens=recipe.calibration.min_expert_tokens)
     if ranks.writer:
         if fresh:
             run.journal = Journal(run_key, compute=compute.to_dict())
@@ -1022,7 +1034,20 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
                                   "bytes_moved_per_layer": round(sum(moved) / max(1, len(moved)))}
     if wrote_profile:
         summary["routing_profile"] = "routing_profile.json"
+        summary["experts"] = starved_experts(journal.routing, recipe.calibration)
     return finish_output(partial, output, recipe_used, summary, handle)
+
+
+def starved_experts(routing: dict, calibration) -> dict:
+    """The manifest's account of expert calibration: how experts were calibrated and which were routed fewer
+    than min_expert_tokens calibration tokens (their statistics came from every token with expert_tokens
+    all; methods that need statistics gave them RTN with routed)."""
+    starved = [{"layer": int(layer), "expert": e, "routed_tokens": int(n)}
+               for layer, rec in sorted(routing.items(), key=lambda kv: int(kv[0]))
+               for e, n in enumerate(rec["counts"]) if n < calibration.min_expert_tokens]
+    return {"calibration": calibration.expert_tokens, "min_expert_tokens": calibration.min_expert_tokens,
+            "treatment": "all-token statistics" if calibration.expert_tokens == "all" else "rtn",
+            "starved": starved}
 
 
 def scheme_overrides(plans: list[LayerPlan], scheme: Scheme) -> dict[str, list[str]]:
@@ -1109,6 +1134,8 @@ class LayerRun:
     device_peak: DevicePeak | None = None  # per-layer and run peak of device memory (GPU runs)
     activations: str = "device"  # where the activations live (run_activation_placement; disk with a spill folder)
     kv_cache: str | None = None  # recipe quantization.kv_cache
+    expert_tokens: str = "all"  # recipe calibration.expert_tokens
+    min_expert_tokens: int = 64
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -1254,6 +1281,8 @@ def _layer_loop(run: LayerRun, progress, batches: LayerBatches, start: int) -> N
         began = time.perf_counter()
         layer = handle.materialize_layer(i, run.compute_dtype, run.device)
         ctx = layer_context(handle, plan, layer, run.scheme, run.weight_dtype, run.compute_dtype, run.autocast)
+        ctx.all_expert_tokens, ctx.min_expert_tokens = run.expert_tokens == "all", run.min_expert_tokens
+        ctx.expert_linears = routed_expert_linears(layer, ctx.targets)
         ctx.phases["load"] = time.perf_counter() - began
         modules = None
         progress.reset(batch_task, total=2 * n_own, info=f"layer {i}")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from quantkit.errors import InputError
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
@@ -349,3 +350,38 @@ def test_process_layer_replaces_inputs_by_quantised_outputs_and_measures_error_o
     num = sum((q - r).double().pow(2).sum() for q, r in zip(quantised[:2], reference[:2]))
     den = sum(r.double().pow(2).sum() for r in reference[:2])
     assert rel == pytest.approx(float((num / den).sqrt()), rel=1e-9)
+
+
+def test_routed_expert_statistics_give_starved_experts_rtn_and_the_manifest_lists_them(tmp_path, tiny_models):
+    src = tiny_models["qwen2_moe"]  # 2 layers, 4 experts, top-2
+    runs = {}
+    for mode in ("all", "routed"):
+        r = _recipe(src, "W4A16", 32, method="gptq", num_samples=4, seq_len=32)
+        # Above any expert's share of 4 x 32 tokens x top-2: every expert is starved.
+        r.calibration.expert_tokens, r.calibration.min_expert_tokens = mode, 10 ** 6
+        quantize_model(r, tmp_path / mode)
+        runs[mode] = json.loads((tmp_path / mode / "quantkit_manifest.json").read_text())
+    for mode, m in runs.items():
+        experts = m["experts"]
+        assert experts["calibration"] == mode and len(experts["starved"]) == 2 * 4
+        # Every routed slot is counted: each layer's listed tokens sum to tokens x k.
+        for layer in ("0", "1"):
+            listed = [s["routed_tokens"] for s in experts["starved"] if str(s["layer"]) == layer]
+            assert sum(listed) == 4 * 32 * 2
+        fell_back = {e["module"] for e in m.get("events", []) if "fell back to RTN" in e["event"]}
+        if mode == "all":
+            assert experts["treatment"] == "all-token statistics" and not fell_back
+        else:
+            # Every expert projection, and nothing else (attention still saw every token), went to RTN.
+            assert experts["treatment"] == "rtn"
+            assert fell_back == {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(2) for e in range(4)
+                                 for p in ("gate_proj", "up_proj", "down_proj")}
+
+
+
+def test_routed_expert_statistics_refuse_methods_that_fold_scales_across_experts(tmp_path, tiny_models):
+    r = _recipe(tiny_models["qwen2_moe"], "W4A16", 32, method="awq")
+    r.calibration.expert_tokens = "routed"
+    with pytest.raises(InputError, match="expert_tokens routed does not work with awq"):
+        quantize_model(r, tmp_path / "q")
+    assert not (tmp_path / "q").exists()
