@@ -37,7 +37,7 @@ class DistillOptions:
     batch_tokens: int = 2048  # local fits
     batch_size: int = 4  # end to end: sequences per step
     lr_local: float = 2e-3
-    lr: float = 3e-4
+    lr: float = 1e-3
     logit_std: float = 1.0  # router logits' initial spread over experts (mean per-token std)
     bf16: bool = True  # matmuls under bf16 autocast; weights, optimiser and losses stay fp32
     seed: int = 0
