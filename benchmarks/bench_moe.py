@@ -2,8 +2,8 @@
 also with routed-only expert statistics), then `quantkit eval --moe` against the MoE original: KL, routing
 drift, capacity-aware inference, bias balancing and expert offloading with prefetch.
 
-    python benchmarks/bench_moe.py [--experts 16 --top-k 4 --shared-experts 8] [--calib-samples 128 --seq-len 256]
-        [--local-steps 100 --distill-steps 100]
+    python benchmarks/bench_moe.py [--experts 16 --top-k 4 --shared-experts 8] [--calib-samples 384 --seq-len 256]
+        [--local-steps 100 --distill-steps 200 --local-samples 96]
 
 The MoE is made once into benchmarks/.work/moe/ and reused while its options match, as are finished quantised
 checkpoints, so an interrupted run continues where it stopped. Results: benchmarks/results/moe.md, moe.json and
@@ -40,7 +40,8 @@ def make_moe(work: Path, args) -> tuple[Path, dict]:
 
     e, k, s = args.experts, args.top_k, args.shared_experts
     out = work / f"smollm2-moe-e{e}k{k}s{s}"
-    distill = DistillOptions(local_steps=args.local_steps, steps=args.distill_steps) if (
+    distill = DistillOptions(local_steps=args.local_steps, steps=args.distill_steps,
+                             local_samples=args.local_samples) if (
         args.local_steps or args.distill_steps) else None
     opts = MoEfyOptions(experts=e, top_k=k, shared_experts=s, layout="qwen2_moe" if s else "qwen3_moe",
                         distill=distill)
@@ -99,14 +100,21 @@ def main() -> None:
     ap.add_argument("--shared-experts", type=int, default=8,
                     help="always-on experts of the routed size (qwen2_moe layout; 0: qwen3_moe, none)")
     ap.add_argument("--local-steps", type=int, default=100, help="moefy distillation: per-layer steps")
-    ap.add_argument("--distill-steps", type=int, default=100, help="moefy distillation: end-to-end steps")
-    ap.add_argument("--calib-samples", type=int, default=128, help="calibration blocks of the MoEfication (and its distillation)")
+    ap.add_argument("--distill-steps", type=int, default=200, help="moefy distillation: end-to-end steps")
+    ap.add_argument("--local-samples", type=int, default=96, help="moefy: blocks of the split and the local fits")
+    ap.add_argument("--calib-samples", type=int, default=384,
+                    help="calibration blocks of the MoEfication's end-to-end distillation")
     ap.add_argument("--quant-samples", type=int, default=16, help="calibration blocks of the quantisers")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--eval-samples", type=int, default=4)
     ap.add_argument("--moe-samples", type=int, default=2)
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "moe")
+    ap.add_argument("--methods", default=",".join(n for n, *_ in METHODS),
+                    help="comma-separated subset of: " + ", ".join(n for n, *_ in METHODS) + " (rtn and gptq always run)")
     args = ap.parse_args()
+    wanted = set(args.methods.split(",")) | {"rtn", "gptq", "gptq_routed"}
+    methods = tuple(m for m in METHODS if m[0] in wanted)
+    args.method_rows = methods
     os.environ.setdefault("QUANTKIT_NO_PROGRESS", "1")
     import torch
 
@@ -119,12 +127,12 @@ def main() -> None:
     moe, made = make_moe(args.work, args)
     print(f"MoE: {json.dumps(made.get('eval'), default=str)}", flush=True)
     quant = {}
-    for name, method, scheme, expert_tokens in METHODS:
+    for name, method, scheme, expert_tokens in methods:
         quant[name] = quantize(moe, args.work / name, method, scheme, expert_tokens, args.quant_samples,
                                args.seq_len)
         print(f"quantised {name}: {quant[name]}", flush=True)
     light = MoEEvalOptions(capacity_factors=(1.25,), policies=("drop",), samples=args.moe_samples, offload_runs=())
-    run_q = run_eval(EvalOptions(checkpoints=[args.work / n for n, *_ in METHODS], baseline=str(moe),
+    run_q = run_eval(EvalOptions(checkpoints=[args.work / n for n, *_ in methods], baseline=str(moe),
                                  num_samples=args.eval_samples, seq_len=args.seq_len, moe=True, moe_options=light))
     half = args.experts // 2
     full = MoEEvalOptions(samples=args.moe_samples, offload_cache=(args.top_k, half), decode_tokens=24)
@@ -193,7 +201,8 @@ def render(p: dict, args) -> str:
              f"CPU capability `{p['cpu_capability']}`; load average before {p['load_average']['before'][0]:.1f}, "
              f"after {p['load_average']['after'][0]:.1f} (2 cores shared); wall {p['wall_seconds']} s; calibration "
              f"{args.calib_samples} x {args.seq_len} KJV tokens (MoEfication"
-             + (f", {args.local_steps} local steps per layer, {args.distill_steps} end-to-end steps" if dist else "")
+             + (f", {args.local_steps} local steps per layer on the first {args.local_samples} blocks, "
+                f"{args.distill_steps} end-to-end steps of 4 blocks" if dist else "")
              + f"), {args.quant_samples} x {args.seq_len} (quantisers), eval {args.eval_samples} x {args.seq_len} "
              f"held-out, routing studies on the first {args.moe_samples}.", "",
              "## The MoE against the dense model", ""]
@@ -217,7 +226,7 @@ def render(p: dict, args) -> str:
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     rtn_kl = None
     by_name = {}
-    for (name, _, _, tokens), r in zip(METHODS, p["eval_quantised"]):
+    for (name, _, _, tokens), r in zip(args.method_rows, p["eval_quantised"]):
         m = r["moe"]
         c = m["capacity"][0]
         by_name[name] = r

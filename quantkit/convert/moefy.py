@@ -483,7 +483,8 @@ def moefy_model(source: str | Path | None, output: Path, opts: MoEfyOptions, dat
     tokenizer = AutoTokenizer.from_pretrained(str(src_path))
     calib = build_token_blocks(tokenizer, dataset, num_samples, seq_len, calib_seed, split="calibration")
     qwen3 = opts.layout == "qwen3_moe"
-    xs, qk = _calibration_inputs(model, calib.input_ids, batch_size, qwen3)
+    split_ids = calib.input_ids if opts.distill is None else calib.input_ids[:opts.distill.local_samples]
+    xs, qk = _calibration_inputs(model, split_ids, batch_size, qwen3)
     m = expert_size(config.intermediate_size, opts)
     cfg = moe_config(src_cfg, opts, m)
     cfg["dtype"] = str(dtype).replace("torch.", "")
