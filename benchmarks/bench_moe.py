@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,8 @@ def make_moe(work: Path, args) -> tuple[Path, dict]:
             summary = old
     if summary is None:
         summary = moefy_model(None, out, opts, num_samples=args.calib_samples, seq_len=args.seq_len, overwrite=True)
+        for name, *_ in METHODS:  # checkpoints of an earlier MoE in the same folder must not be reused
+            shutil.rmtree(work / name, ignore_errors=True)
     if "eval" not in summary:
         ks = sorted({max(1, k // 2), k, min(e, 2 * k), e})
         summary["eval"] = evaluate_moe(None, out, ks, num_samples=args.eval_samples, seq_len=args.seq_len)

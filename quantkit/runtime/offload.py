@@ -16,9 +16,11 @@ Prefetch (`prefetch=True`, after MoE-SpeQ's draft-predicted experts): when decod
 predicts layer l+1's experts by running layer l+1's own post-attention norm and (unquantised) router on the
 hidden state leaving layer l, skipping l+1's attention, and loads the predicted experts before layer l+1
 asks for them. Prediction fidelity = |predicted ∩ used| / k per token and layer.
-With `overlap` (the default) those loads run on one background thread while layer l+1's attention computes,
-and a request for an expert still in flight waits for it; the block's end files the finished ones into the
-cache. Without it they run in the hook, before the attention: every prefetch then costs what the miss it saves
+With `overlap` (the default) their checkpoint reads run on one background thread while layer l+1's attention
+computes, and a request for an expert still in flight waits for it; the module is assembled on the decoding
+thread (Python and kernel packing there would fight the layer's compute for the GIL and the cores), and the
+block's end files the finished ones into the cache. Evicted expert modules are reused by the next load of their
+layer: a load is then the tensor read and its assignment, not a copy of the module. Without it they run in the hook, before the attention: every prefetch then costs what the miss it saves
 would have, plus the wrong guesses, so synchronous prefetch can raise the hit rate but never the speed.
 Hit rate counts demand requests only (a prefetched expert that is then used is a hit).
 """
@@ -141,6 +143,7 @@ class ExpertCache:
         self.prior: dict[int, torch.Tensor] = {}
         self.predicted: dict[int, torch.Tensor] = {}
         self.pending: dict[int, dict[int, Future]] = {}
+        self._spare: dict[int, list[nn.Module]] = {}  # evicted experts per layer, reused by the next load
         self._pool: ThreadPoolExecutor | None = None
         for layer, block in self.blocks.items():
             experts: UnfusedExperts = getattr(block, spec.experts)
@@ -177,14 +180,25 @@ class ExpertCache:
 
     # --------------------------------------------------------------------------------- residency
 
-    def _build(self, layer: int, expert: int) -> tuple[nn.Module, int, float]:
-        """(the expert, bytes read, seconds): touches no cache state, so it may run on the prefetch thread."""
+    def _read(self, layer: int, expert: int) -> tuple[list, int, float]:
+        """(the expert's tensors as (child, leaf, tensor, is_param), bytes read, seconds): the checkpoint read
+        alone, touching no module or cache state, so it may run on the prefetch thread."""
         start = time.perf_counter()
         moved = 0
-        module = copy.deepcopy(self.templates[(layer, expert)])
+        tensors = []
         for child_name, leaf, ckpt, is_param in self.tensors[(layer, expert)]:
             t = self._where[ckpt].get_tensor(ckpt)
             moved += t.numel() * t.element_size()
+            tensors.append((child_name, leaf, t, is_param))
+        return tensors, moved, time.perf_counter() - start
+
+    def _assemble(self, layer: int, expert: int, tensors: list) -> nn.Module:
+        """The expert module from its tensors, exactly as load_model builds it. An evicted expert of the layer
+        is reused when there is one (same structure: only its tensors change), else the template is copied;
+        quantised linears re-prepare the kernel the resident model chose."""
+        spare = self._spare.get(layer)
+        module = spare.pop() if spare else copy.deepcopy(self.templates[(layer, expert)]).eval()
+        for child_name, leaf, t, is_param in tensors:
             child = module.get_submodule(child_name) if child_name else module
             if isinstance(child, QuantLinear) and not is_param:
                 child._buffers[leaf] = t.to(self.device)  # quantised tensors as stored, like load_model
@@ -193,11 +207,26 @@ class ExpertCache:
                 child._parameters[leaf] = dense_parameter(t.to(self.device))
         for child in module.modules():
             if isinstance(child, QuantLinear) and getattr(child, "_offload_kernels", False):
+                child.kernel, child.prepared = None, None  # a reused module's kernel holds the old tensors
                 dispatch.prepare_layer(child, "auto")  # the kernel the resident model chose, re-prepared
-        return module.eval(), moved, time.perf_counter() - start
+        return module
+
+    def _build(self, layer: int, expert: int) -> tuple[nn.Module, int, float]:
+        """(the expert, bytes read, seconds) on the calling thread."""
+        start = time.perf_counter()
+        tensors, moved, _ = self._read(layer, expert)
+        return self._assemble(layer, expert, tensors), moved, time.perf_counter() - start
 
     def _load(self, layer: int, expert: int, demand: bool, count: bool = True) -> nn.Module:
         return self._insert(layer, expert, self._build(layer, expert), demand, count)
+
+    def _collect(self, layer: int, expert: int, future: Future, demand: bool) -> nn.Module:
+        """A prefetched read, assembled here on the decoding thread (module building and kernel packing are
+        Python and OpenMP work that would fight the layer's own compute for the GIL and the cores)."""
+        start = time.perf_counter()
+        tensors, moved, read_seconds = future.result()
+        module = self._assemble(layer, expert, tensors)
+        return self._insert(layer, expert, (module, moved, read_seconds + time.perf_counter() - start), demand)
 
     def _insert(self, layer: int, expert: int, built: tuple[nn.Module, int, float], demand: bool,
                 count: bool = True) -> nn.Module:
@@ -211,7 +240,7 @@ class ExpertCache:
                 self.stats.prefetch_loads += 1
         cache = self.resident[layer]
         while len(cache) >= self.opts.cache_size:
-            del cache[self._victim(layer)]
+            self._spare.setdefault(layer, []).append(cache.pop(self._victim(layer)))
         cache[expert] = module
         return module
 
@@ -240,7 +269,7 @@ class ExpertCache:
         future = self.pending[layer].pop(expert, None)
         if future is not None:  # prefetched, perhaps still in flight: a hit, at most a shorter wait
             self.stats.hits += 1
-            return self._insert(layer, expert, future.result(), demand=False)
+            return self._collect(layer, expert, future, demand=False)
         return self._load(layer, expert, demand=True)
 
     def _settle(self, layer: int) -> None:
@@ -248,7 +277,7 @@ class ExpertCache:
         for expert, future in list(self.pending[layer].items()):
             if future.done():
                 del self.pending[layer][expert]
-                self._insert(layer, expert, future.result(), demand=False)
+                self._collect(layer, expert, future, demand=False)
 
     def reset_stats(self) -> None:
         """Start counting afresh (after a prefill, to measure decode alone); residency is kept."""
@@ -287,7 +316,7 @@ class ExpertCache:
                     elif e in self.pending[layer]:
                         continue
                     elif self._pool is not None:
-                        self.pending[layer][e] = self._pool.submit(self._build, layer, e)
+                        self.pending[layer][e] = self._pool.submit(self._read, layer, e)
                     else:
                         self._load(layer, e, demand=False)
 

@@ -94,20 +94,20 @@ def test_draft_prefetch_predicts_and_raises_the_hit_rate(tiny_models, overlap):
     for prefetch in (False, True):
         rt = load_model(path)
         cache = install_offload(rt, OffloadOptions(2, "lru", prefetch, overlap=overlap))
-        build = cache._build
+        read = cache._read
 
-        def spy(layer, expert, build=build):
+        def spy(layer, expert, read=read):
             threads.add(threading.current_thread().name.split("_")[0])
-            return build(layer, expert)
+            return read(layer, expert)
 
-        cache._build = spy
+        cache._read = spy
         greedy_decode(rt, PROMPT, 24, on_prefill=cache.reset_stats)
         rates[prefetch] = cache.stats.to_dict()
         cache.remove()
     assert rates[True]["prefetch_fidelity"] is not None and rates[True]["prefetch_fidelity"] > 2 / 4
     assert rates[True]["prefetch_loads"] > 0
     assert rates[True]["hit_rate"] > rates[False]["hit_rate"]
-    # Overlapped prefetch builds experts on its own thread; synchronous prefetch never leaves the caller's.
+    # Overlapped prefetch reads experts on its own thread; synchronous prefetch never leaves the caller's.
     assert ("quantkit-prefetch" in threads) == overlap
 
 
