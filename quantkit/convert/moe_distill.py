@@ -224,9 +224,9 @@ def fit_end_to_end(model, switches: list[Switch], ids: torch.Tensor, opts: Disti
         optim.step()
         sched.step()
         if progress:
-            progress(step, float(loss))
+            progress(step, float(loss.detach()))
         if step % every == 0 or step == opts.steps:
-            history.append({"step": step, "train_kl": _sig(float(loss)), "heldout_kl": _sig(heldout())})
+            history.append({"step": step, "train_kl": _sig(float(loss.detach())), "heldout_kl": _sig(heldout())})
     return history
 
 
