@@ -19,9 +19,11 @@ asks for them. Prediction fidelity = |predicted ∩ used| / k per token and laye
 With `overlap` (the default) their checkpoint reads run on one background thread while layer l+1's attention
 computes, and a request for an expert still in flight waits for it; the module is assembled on the decoding
 thread (Python and kernel packing there would fight the layer's compute for the GIL and the cores), and the
-block's end files the finished ones into the cache. Evicted expert modules are reused by the next load of their
-layer: a load is then the tensor read and its assignment, not a copy of the module. Without it they run in the hook, before the attention: every prefetch then costs what the miss it saves
-would have, plus the wrong guesses, so synchronous prefetch can raise the hit rate but never the speed.
+block's end files the finished ones into the cache. Without it they load in the hook, before the attention: each
+prefetch then costs what the miss it saves would have, plus the wrong guesses. Evicted expert modules are reused
+by the next load of their layer: a load is the tensor read and its assignment, not a copy of the module.
+Measured (benchmarks/results/moe.md): on 2 CPU cores with the checkpoint in the page cache, where a load is a
+memory copy and Python rather than a wait, prefetch raises the hit rate but neither mode raises decode speed.
 Hit rate counts demand requests only (a prefetched expert that is then used is a hit).
 """
 
