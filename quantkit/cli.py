@@ -605,8 +605,9 @@ def moefy_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Make a real-weight MoE from a dense model (MoEfication, then distillation), e.g. to test MoE quantisation
-    and `eval --moe`. With --local-steps 0 --distill-steps 0 the split is exact: the dense model at top-k = E."""
+    """Make a real-weight MoE from a dense model (MoEfication, then distillation), e.g. to test MoE quantisation.
+
+    With --local-steps 0 --distill-steps 0 the split is exact: the dense model at top-k = E."""
 
     def body():
         from quantkit.convert.moe_distill import DistillOptions
