@@ -24,6 +24,7 @@ same function as the layout's sparse dispatch (the routing is the runtime's `rou
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -62,19 +63,23 @@ class StudentMoE(nn.Module):
     """One MoE layer as trainable tensors: router [E, H], experts stacked [E*m, H] / [H, E*m], optional shared
     expert (and Qwen2-MoE's sigmoid gate on it). Forward = the layout's routing, all experts masked."""
 
-    def __init__(self, spec: RouterSpec, act, router, gate, up, down, shared=None, shared_gate=None):
+    def __init__(self, spec: RouterSpec, act, split, shared_gate: torch.Tensor | None = None):
+        """`split`: a convert.moefy.LayerMoE (router [E, H], gate/up [E, m, H], down [E, H, m], shared
+        gate/up/down or None) whose tensors are the start; `shared_gate` [1, H]: Qwen2-MoE's gate on the shared
+        expert."""
         super().__init__()
         self.spec = spec
         self.act = act
-        e, m, h = gate.shape
+        e, m, h = split.gate.shape
         self.m = m
-        self.router = nn.Parameter(router.float().clone())
-        self.gate = nn.Parameter(gate.reshape(e * m, h).float().clone())
-        self.up = nn.Parameter(up.reshape(e * m, h).float().clone())
-        self.down = nn.Parameter(down.permute(1, 0, 2).reshape(h, e * m).float().clone())
+        self.router = nn.Parameter(split.router.float().clone())
+        self.gate = nn.Parameter(split.gate.reshape(e * m, h).float().clone())
+        self.up = nn.Parameter(split.up.reshape(e * m, h).float().clone())
+        self.down = nn.Parameter(split.down.permute(1, 0, 2).reshape(h, e * m).float().clone())
         self.shared = None
-        if shared is not None:
-            self.shared = nn.ParameterList([nn.Parameter(t.float().clone()) for t in shared])
+        if split.shared_gate is not None:
+            self.shared = nn.ParameterList([nn.Parameter(t.float().clone())
+                                            for t in (split.shared_gate, split.shared_up, split.shared_down)])
         self.shared_gate = None if shared_gate is None else nn.Parameter(shared_gate.float().clone())
         # DeepSeek's selection bias: zero, as written (balancing it is eval's business, not the fit's).
         self.register_buffer("bias", torch.zeros(spec.num_experts) if spec.selection_bias else None)
@@ -235,10 +240,10 @@ def student_from_split(split, spec: RouterSpec, act, x: torch.Tensor, opts: Dist
     """The starting student of one MoEfied layer (`split`: convert.moefy.LayerMoE): the fitted router at a unit
     logit spread on x, each routed down_proj times k (normalised top-k weights average 1/k), the shared expert
     as it is, and, for Qwen2-MoE (`shared_gate`), a zero sigmoid gate on it with its down_proj doubled."""
-    router = unit_spread(split.router_fit, x, opts.logit_std)
-    shared = gate = None
-    if split.shared_gate is not None:
-        factor = 2.0 if shared_gate else 1.0
-        shared = (split.shared_gate, split.shared_up, split.shared_down * factor)
-        gate = torch.zeros(1, x.shape[1]) if shared_gate else None
-    return StudentMoE(spec, act, router, split.gate, split.up, split.down * spec.top_k, shared, gate)
+    start = dataclasses.replace(split, router=unit_spread(split.router_fit, x, opts.logit_std),
+                                down=split.down * spec.top_k)
+    gate = None
+    if split.shared_gate is not None and shared_gate:
+        start.shared_down = split.shared_down * 2.0
+        gate = torch.zeros(1, x.shape[1])
+    return StudentMoE(spec, act, start, gate)

@@ -9,6 +9,8 @@ and the fits must lower what they minimise.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -81,8 +83,7 @@ def test_student_with_the_exact_combine_computes_the_exact_split():
                       "num_attention_heads": 2, "num_key_value_heads": 2, "hidden_act": "silu"}, opts,
                      expert_size(inter, opts))
     spec = _layout_spec("qwen3_moe", cfg)
-    student = StudentMoE(spec, torch.nn.SiLU(), unit_spread(split.router_fit, x, 1.0), split.gate, split.up,
-                         split.down, None, None)
+    student = StudentMoE(spec, torch.nn.SiLU(), replace(split, router=unit_spread(split.router_fit, x, 1.0)))
     with torch.no_grad():
         got = student(x)
         r = student.routing(x)
@@ -108,8 +109,8 @@ def test_local_fit_reduces_a_layers_error_from_a_bad_start():
     cfg = moe_config({"vocab_size": 32, "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": 1,
                       "num_attention_heads": 2, "num_key_value_heads": 2, "hidden_act": "silu"},
                      MoEfyOptions(experts=4, top_k=1, distill=EXACT), expert_size(inter, opts))
-    student = StudentMoE(_layout_spec("qwen3_moe", cfg), torch.nn.SiLU(), unit_spread(split.router_fit, x, 1.0),
-                         split.gate, split.up, split.down, None, None)
+    student = StudentMoE(_layout_spec("qwen3_moe", cfg), torch.nn.SiLU(),
+                         replace(split, router=unit_spread(split.router_fit, x, 1.0)))
     report = fit_local(student, x, y, DistillOptions(local_steps=200, batch_tokens=512, lr_local=1e-2, bf16=False),
                        torch.Generator().manual_seed(0))
     assert report["relative_error_after"] < 0.75 * report["relative_error_before"]
