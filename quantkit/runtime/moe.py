@@ -64,10 +64,7 @@ def _group_mask(spec: RouterSpec, choice: torch.Tensor) -> torch.Tensor:
 def route(spec: RouterSpec, logits: torch.Tensor, bias: torch.Tensor | None = None,
           weights_dtype: torch.dtype | None = None) -> Routing:
     """Scores, selected experts and combine weights from router logits [T, E]."""
-    scores = logits.float().softmax(dim=-1) if spec.scoring == "softmax" else logits.float().sigmoid()
-    choice = scores if bias is None else scores + bias.float()
-    if spec.group_limited:
-        choice = _group_mask(spec, choice)
+    scores, choice = _choice(spec, logits, bias)
     if spec.scoring == "softmax" and not spec.softmax_before_topk:
         # Mistral's reference order: top-k on the logits, softmax over the k (normalised by construction).
         top_logits, selected = logits.float().topk(spec.top_k, dim=-1)
@@ -80,6 +77,22 @@ def route(spec: RouterSpec, logits: torch.Tensor, bias: torch.Tensor | None = No
         selected = choice.topk(spec.top_k, dim=-1).indices
         weights = combine_weights(spec, scores, selected, weights_dtype)
     return Routing(logits, scores, selected, weights, spec, choice)
+
+
+def _choice(spec: RouterSpec, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, what top-k ranks): the bias added and the groups masked where the family does so."""
+    scores = logits.float().softmax(dim=-1) if spec.scoring == "softmax" else logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if spec.group_limited:
+        choice = _group_mask(spec, choice)
+    return scores, choice
+
+
+def select_experts(spec: RouterSpec, logits: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts `route` selects [T, k], without the combine weights (a prediction needs only these)."""
+    if spec.scoring == "softmax" and not spec.softmax_before_topk:
+        return logits.float().topk(spec.top_k, dim=-1).indices
+    return _choice(spec, logits, bias)[1].topk(spec.top_k, dim=-1).indices
 
 
 def combine_weights(spec: RouterSpec, scores: torch.Tensor, selected: torch.Tensor,
@@ -138,6 +151,12 @@ class RuntimeMoE(nn.Module):
         router = getattr(self, self.spec.router)
         bias = getattr(router, self.spec.selection_bias) if self.spec.selection_bias else None
         return route(self.spec, self.router_logits(x), bias, weights_dtype=x.dtype)
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts the block's own routing selects for tokens x [T, H] (no overrides, no combine weights)."""
+        router = getattr(self, self.spec.router)
+        bias = getattr(router, self.spec.selection_bias) if self.spec.selection_bias else None
+        return select_experts(self.spec, self.router_logits(x), bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape

@@ -2,9 +2,7 @@
 
 `install_offload(rt, OffloadOptions(...))` strips every routed expert of a loaded runtime model of its tensors
 and puts a stand-in in its place; the first call to an expert that is not resident reads its tensors from the
-checkpoint's safetensors (one `get_tensor` per expert tensor from a `safe_open` handle), builds the expert
-exactly as `load_model` does (the same QuantLinear formats, the same dtype casts: the offloaded model computes
-bit for bit what the resident one does) and, when the layer holds N experts already, evicts one:
+checkpoint's safetensors and, when the layer holds N experts already, evicts one:
 
 - lru: the least recently used;
 - lfu: the least often used since the start;
@@ -12,24 +10,25 @@ bit for bit what the resident one does) and, when the layer holds N experts alre
   (routing_profile.json, when the checkpoint has one) plus an exponentially decayed count of its recent
   requests; the cache also starts filled with the profile's most frequent experts.
 
+A load reads into the evicted expert's own module where their stored layouts match: positioned reads
+straight into its tensors, no module built, no tensor allocated; the quantised linears then re-prepare the
+kernel the resident model chose, so the offloaded model computes bit for bit what the resident one does.
+
 Prefetch (`prefetch=True`, after MoE-SpeQ's draft-predicted experts): when decoder layer l finishes, a draft
 predicts layer l+1's experts by running layer l+1's own post-attention norm and (unquantised) router on the
 hidden state leaving layer l, skipping l+1's attention, and loads the predicted experts before layer l+1
 asks for them. Prediction fidelity = |predicted ∩ used| / k per token and layer.
-With `overlap` (the default) their checkpoint reads run on one background thread while layer l+1's attention
-computes, and a request for an expert still in flight waits for it; the module is assembled on the decoding
-thread (Python and kernel packing there would fight the layer's compute for the GIL and the cores), and the
-block's end files the finished ones into the cache. Without it they load in the hook, before the attention: each
-prefetch then costs what the miss it saves would have, plus the wrong guesses. Evicted expert modules are reused
-by the next load of their layer: a load is the tensor read and its assignment, not a copy of the module.
-Measured (benchmarks/results/moe.md): on 2 CPU cores with the checkpoint in the page cache, where a load is a
-memory copy and Python rather than a wait, prefetch raises the hit rate but neither mode raises decode speed.
+With `overlap` (the default) the reads run on one background thread while layer l+1's attention computes (the
+GIL is free during a read); a request for an expert still in flight waits for it, and the block's end files the
+finished ones into the cache. A read in flight holds a slot: resident + in flight never exceed N. Without
+`overlap` the predicted experts load in the hook, before the attention.
 Hit rate counts demand requests only (a prefetched expert that is then used is a hit).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +38,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import InputError
+from quantkit.models.safetensors_index import DTYPES
 from quantkit.models.experts import UnfusedExperts
 from quantkit.runtime import dispatch
 from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS
@@ -114,13 +114,12 @@ class ExpertCache:
     """Per-layer resident experts with one eviction policy; experts are built from the checkpoint on demand."""
 
     def __init__(self, rt, opts: OffloadOptions, profile=None):
-        from safetensors import safe_open
-
         from quantkit.models.safetensors_index import SafetensorsIndex
         from quantkit.runtime.moe import moe_blocks
 
         self.opts = opts
-        self.stats = OffloadStats()
+        self._stats = OffloadStats()
+        self._guesses: list[tuple[torch.Tensor, torch.Tensor]] = []  # (predicted, used) per layer step, scored late
         self.dtype = rt.dtype
         self.device = rt.device
         self.blocks = {b.layer_index: b for b in moe_blocks(rt.model)}
@@ -130,8 +129,7 @@ class ExpertCache:
         opts.check(spec.num_experts, spec.top_k)
         self.num_experts, self.top_k = spec.num_experts, spec.top_k
         index = SafetensorsIndex(rt.path)
-        self._files = {}
-        self._where: dict[str, object] = {}
+        self.index = index
         names = {n: m for n, m in rt.model.named_modules()}
         module_name = {id(m): n for n, m in names.items()}
         from quantkit.runtime.model import _generic_adapter
@@ -140,12 +138,14 @@ class ExpertCache:
         self.templates: dict[tuple[int, int], nn.Module] = {}
         self.tensors: dict[tuple[int, int], list] = {}
         self.resident: dict[int, OrderedDict[int, nn.Module]] = {}
-        self.freq: dict[int, torch.Tensor] = {}
-        self.recent: dict[int, torch.Tensor] = {}
+        # Plain lists, not tensors: they change on every expert request, and a tensor op there costs microseconds.
+        self.freq: dict[int, list[float]] = {}
+        self.recent: dict[int, list[float]] = {}
         self.prior: dict[int, torch.Tensor] = {}
         self.predicted: dict[int, torch.Tensor] = {}
-        self.pending: dict[int, dict[int, Future]] = {}
-        self._spare: dict[int, list[nn.Module]] = {}  # evicted experts per layer, reused by the next load
+        self.pending: dict[int, dict[int, tuple[nn.Module, Future]]] = {}
+        self.signature: dict[tuple[int, int], tuple] = {}  # an expert's stored layout: modules of one are reusable
+        self._fds: dict[object, int] = {}
         self._pool: ThreadPoolExecutor | None = None
         for layer, block in self.blocks.items():
             experts: UnfusedExperts = getattr(block, spec.experts)
@@ -156,17 +156,16 @@ class ExpertCache:
                 for _, _, ckpt, _ in entries:
                     if ckpt not in index:
                         raise InputError(f"{rt.path}: expert tensor {ckpt} is not in the checkpoint")
-                    info = index.tensors[ckpt]
-                    if info.file not in self._files:
-                        self._files[info.file] = safe_open(str(info.file), framework="pt", device="cpu")
-                    self._where[ckpt] = self._files[info.file]
                 self.tensors[(layer, e)] = entries
+                self.signature[(layer, e)] = tuple((c, leaf, index.tensors[ck].dtype, index.tensors[ck].shape, p)
+                                                   for c, leaf, ck, p in entries) + tuple(
+                    repr(m.fmt) for m in module.modules() if isinstance(m, QuantLinear))
                 self.templates[(layer, e)] = _stripped(module, entries)
                 experts.experts[e] = _Standin(self, layer, e)
             self.resident[layer] = OrderedDict()
             self.pending[layer] = {}
-            self.freq[layer] = torch.zeros(self.num_experts)
-            self.recent[layer] = torch.zeros(self.num_experts)
+            self.freq[layer] = [0.0] * self.num_experts
+            self.recent[layer] = [0.0] * self.num_experts
             self.prior[layer] = torch.zeros(self.num_experts)
             if profile is not None and layer in profile.layers:
                 self.prior[layer] = profile.layers[layer].frequency().float()
@@ -181,109 +180,162 @@ class ExpertCache:
             self._install_prefetch(rt)
 
     # --------------------------------------------------------------------------------- residency
+    # An expert module that holds tensors is either resident (in the cache) or pending (a prefetch reading into
+    # it); together they never exceed the cache size. A load takes its module from the expert it evicts (same
+    # structure: its tensors are overwritten in place) or, while the layer has room, a copy of the template.
 
-    def _read(self, layer: int, expert: int) -> tuple[list, int, float]:
-        """(the expert's tensors as (child, leaf, tensor, is_param), bytes read, seconds): the checkpoint read
-        alone, touching no module or cache state, so it may run on the prefetch thread."""
+    def _slot(self, layer: int, expert: int, keep=()) -> nn.Module | None:
+        """A module to read `expert` into: the evicted victim's (never one in `keep`), or a fresh copy of the
+        template while resident + pending are below the cache size. None when every slot is kept or in flight."""
+        cache = self.resident[layer]
+        if len(cache) + len(self.pending[layer]) < self.opts.cache_size:
+            return copy.deepcopy(self.templates[(layer, expert)]).eval()
+        victim = self._victim(layer, keep)
+        if victim is None:
+            return None
+        module = cache.pop(victim)
+        if self.signature[(layer, victim)] != self.signature[(layer, expert)]:
+            return copy.deepcopy(self.templates[(layer, expert)]).eval()  # another layout: the victim is freed
+        return module
+
+    def _fill(self, layer: int, expert: int, module: nn.Module) -> tuple[int, float]:
+        """Read the expert's tensors into `module` (bytes read, seconds). It touches no cache state and holds the
+        GIL only between positioned reads, so it may run on the prefetch thread while the module is its own."""
         start = time.perf_counter()
         moved = 0
-        tensors = []
         for child_name, leaf, ckpt, is_param in self.tensors[(layer, expert)]:
-            t = self._where[ckpt].get_tensor(ckpt)
-            moved += t.numel() * t.element_size()
-            tensors.append((child_name, leaf, t, is_param))
-        return tensors, moved, time.perf_counter() - start
-
-    def _assemble(self, layer: int, expert: int, tensors: list) -> nn.Module:
-        """The expert module from its tensors, exactly as load_model builds it. An evicted expert of the layer
-        is reused when there is one (same structure: only its tensors change), else the template is copied;
-        quantised linears re-prepare the kernel the resident model chose."""
-        spare = self._spare.get(layer)
-        module = spare.pop() if spare else copy.deepcopy(self.templates[(layer, expert)]).eval()
-        for child_name, leaf, t, is_param in tensors:
+            info = self.index.tensors[ckpt]
             child = module.get_submodule(child_name) if child_name else module
-            if isinstance(child, QuantLinear) and not is_param:
-                child._buffers[leaf] = t.to(self.device)  # quantised tensors as stored, like load_model
-            else:
-                t = t.to(self.dtype) if t.is_floating_point() else t
-                child._parameters[leaf] = dense_parameter(t.to(self.device))
+            stored = DTYPES[info.dtype]
+            as_stored = isinstance(child, QuantLinear) and not is_param  # quantised tensors as stored, like load_model
+            want = stored if as_stored or not stored.is_floating_point else self.dtype
+            where = child._buffers if as_stored else child._parameters
+            dest = where.get(leaf)
+            if (dest is None or dest.is_meta or dest.dtype != want or tuple(dest.shape) != info.shape
+                    or dest.device != self.device):
+                dest = torch.empty(info.shape, dtype=want, device=self.device)
+                where[leaf] = dest if as_stored else dense_parameter(dest)
+                dest = where[leaf]
+            self._read_into(ckpt, info, dest)
+            moved += info.nbytes
+        return moved, time.perf_counter() - start
+
+    def _read_into(self, ckpt: str, info, dest: torch.Tensor) -> None:
+        """The stored bytes straight into `dest` where nothing is converted; else read, then cast into it."""
+        if (dest.device.type != "cpu" or DTYPES[info.dtype] != dest.dtype or ckpt in self.index.native_fp8
+                or not dest.is_contiguous()):
+            with torch.no_grad():
+                dest.copy_(self.index.get(ckpt))
+            return
+        if info.nbytes == 0:
+            return
+        view = memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
+        fd = self._fds.get(info.file)
+        if fd is None:
+            fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+        done = 0
+        while done < info.nbytes:
+            got = os.preadv(fd, [view[done:]], info.offset + done)
+            if got <= 0:
+                raise InputError(f"truncated safetensors file {info.file}: cannot read {ckpt}")
+            done += got
+
+    def _finish(self, module: nn.Module) -> None:
+        """Re-prepare the kernels the resident model chose, on the decoding thread (kernel packing is OpenMP
+        work that would fight the layer's own compute for the cores); the reference path needs nothing."""
         for child in module.modules():
             if isinstance(child, QuantLinear) and getattr(child, "_offload_kernels", False):
-                child.kernel, child.prepared = None, None  # a reused module's kernel holds the old tensors
-                dispatch.prepare_layer(child, "auto")  # the kernel the resident model chose, re-prepared
-        return module
+                child.kernel, child.prepared = None, None
+                dispatch.prepare_layer(child, "auto")
 
-    def _build(self, layer: int, expert: int) -> tuple[nn.Module, int, float]:
-        """(the expert, bytes read, seconds) on the calling thread."""
+    def _load(self, layer: int, expert: int, demand: bool, count: bool = True, keep=()) -> nn.Module | None:
+        """Read `expert` into a slot on the calling thread and file it; None when no slot is free."""
+        module = self._slot(layer, expert, keep)
+        if module is None:
+            return None
+        moved, seconds = self._fill(layer, expert, module)
         start = time.perf_counter()
-        tensors, moved, _ = self._read(layer, expert)
-        return self._assemble(layer, expert, tensors), moved, time.perf_counter() - start
+        self._finish(module)
+        return self._insert(layer, expert, module, moved, seconds + time.perf_counter() - start, demand, count)
 
-    def _load(self, layer: int, expert: int, demand: bool, count: bool = True) -> nn.Module:
-        return self._insert(layer, expert, self._build(layer, expert), demand, count)
-
-    def _collect(self, layer: int, expert: int, future: Future, demand: bool) -> nn.Module:
-        """A prefetched read, assembled here on the decoding thread (module building and kernel packing are
-        Python and OpenMP work that would fight the layer's own compute for the GIL and the cores)."""
+    def _collect(self, layer: int, expert: int) -> nn.Module:
+        """File a prefetch into the cache, waiting for its read if it is still in flight."""
+        module, future = self.pending[layer].pop(expert)
+        moved, seconds = future.result()
         start = time.perf_counter()
-        tensors, moved, read_seconds = future.result()
-        module = self._assemble(layer, expert, tensors)
-        return self._insert(layer, expert, (module, moved, read_seconds + time.perf_counter() - start), demand)
+        self._finish(module)
+        return self._insert(layer, expert, module, moved, seconds + time.perf_counter() - start, demand=False)
 
-    def _insert(self, layer: int, expert: int, built: tuple[nn.Module, int, float], demand: bool,
+    def _insert(self, layer: int, expert: int, module: nn.Module, moved: int, seconds: float, demand: bool,
                 count: bool = True) -> nn.Module:
-        module, moved, seconds = built
-        self.stats.bytes_moved += moved
-        self.stats.load_seconds += seconds
+        self._stats.bytes_moved += moved
+        self._stats.load_seconds += seconds
         if count:
             if demand:
-                self.stats.loads += 1
+                self._stats.loads += 1
             else:
-                self.stats.prefetch_loads += 1
-        cache = self.resident[layer]
-        while len(cache) >= self.opts.cache_size:
-            self._spare.setdefault(layer, []).append(cache.pop(self._victim(layer)))
-        cache[expert] = module
+                self._stats.prefetch_loads += 1
+        self.resident[layer][expert] = module
         return module
 
-    def _victim(self, layer: int) -> int:
-        cache = self.resident[layer]
+    def _victim(self, layer: int, keep=()) -> int | None:
+        candidates = [e for e in self.resident[layer] if e not in keep]
+        if not candidates:
+            return None
         if self.opts.policy == "lru":
-            return next(iter(cache))
+            return candidates[0]
         if self.opts.policy == "lfu":
             score = self.freq[layer]
         else:
-            requests = max(float(self.freq[layer].sum()), 1.0)
-            score = self.recent[layer] + self.opts.profile_weight * self.prior[layer] * min(requests, 64.0)
+            weight = self.opts.profile_weight * min(max(sum(self.freq[layer]), 1.0), 64.0)
+            prior = self.prior[layer].tolist()
+            score = [r + weight * p for r, p in zip(self.recent[layer], prior)]
         # Lowest score goes; ties go to the least recently used (the order of the OrderedDict).
-        return min(cache, key=lambda e: float(score[e]))
+        return min(candidates, key=lambda e: score[e])
 
     def fetch(self, layer: int, expert: int) -> nn.Module:
-        self.stats.requests += 1
+        self._stats.requests += 1
         self.freq[layer][expert] += 1
-        self.recent[layer] *= self.opts.trace_decay
-        self.recent[layer][expert] += 1
+        if self.opts.policy == "trace":
+            recent = self.recent[layer]
+            recent[:] = [r * self.opts.trace_decay for r in recent]
+            recent[expert] += 1
         cache = self.resident[layer]
         if expert in cache:
-            self.stats.hits += 1
+            self._stats.hits += 1
             cache.move_to_end(expert)
             return cache[expert]
-        future = self.pending[layer].pop(expert, None)
-        if future is not None:  # prefetched, perhaps still in flight: a hit, at most a shorter wait
-            self.stats.hits += 1
-            return self._collect(layer, expert, future, demand=False)
-        return self._load(layer, expert, demand=True)
+        if expert in self.pending[layer]:  # prefetched, perhaps still in flight: a hit, at most a shorter wait
+            self._stats.hits += 1
+            return self._collect(layer, expert)
+        module = self._load(layer, expert, demand=True)
+        if module is None:  # every slot is in flight (cache size = prefetches): file them, then evict
+            self._settle(layer, wait=True)
+            module = self._load(layer, expert, demand=True)
+        return module
 
-    def _settle(self, layer: int) -> None:
-        """File the layer's finished prefetches into its cache; those in flight stay pending."""
-        for expert, future in list(self.pending[layer].items()):
-            if future.done():
-                del self.pending[layer][expert]
-                self._collect(layer, expert, future, demand=False)
+    def _settle(self, layer: int, wait: bool = False) -> None:
+        """File the layer's finished prefetches into its cache (`wait`: all of them); the rest stay pending."""
+        for expert, (_, future) in list(self.pending[layer].items()):
+            if wait or future.done():
+                self._collect(layer, expert)
+
+    @property
+    def stats(self) -> OffloadStats:
+        """The counters so far. Predictions are compared with the routing here, not while decoding: the
+        comparison is a handful of small tensor ops per layer and token that would sit on the decode's path."""
+        e = self.num_experts
+        for pred, selected in self._guesses:
+            used = torch.zeros(selected.shape[0], e, dtype=torch.bool).scatter_(1, selected.clamp(0, e - 1).cpu(), True)
+            self._stats.predicted += pred.numel()
+            self._stats.predicted_right += int(used.gather(1, pred.cpu()).sum())
+        self._guesses.clear()
+        return self._stats
 
     def reset_stats(self) -> None:
         """Start counting afresh (after a prefill, to measure decode alone); residency is kept."""
-        self.stats = OffloadStats()
+        self._stats = OffloadStats()
+        self._guesses.clear()
 
     def resident_experts(self, layer: int) -> list[int]:
         return list(self.resident[layer])
@@ -307,9 +359,9 @@ class ExpertCache:
             def after(mod, args, out, layer=layer, block=block, norm=norm):
                 h = out[0] if isinstance(out, tuple) else out
                 x = norm(h).reshape(-1, h.shape[-1])
-                predicted = block.route(x).selected
+                predicted = block.predict(x)
                 self.predicted[layer] = predicted
-                wanted = predicted.unique().tolist()
+                wanted = set(predicted.view(-1).tolist())
                 if len(wanted) > self.opts.cache_size:
                     return  # a prefill: more experts than fit; loading them would only churn the cache
                 for e in wanted:
@@ -317,10 +369,14 @@ class ExpertCache:
                         self.resident[layer].move_to_end(e)
                     elif e in self.pending[layer]:
                         continue
-                    elif self._pool is not None:
-                        self.pending[layer][e] = self._pool.submit(self._read, layer, e)
+                    elif self._pool is None:
+                        if self._load(layer, e, demand=False, keep=wanted) is None:
+                            break
                     else:
-                        self._load(layer, e, demand=False)
+                        module = self._slot(layer, e, keep=wanted)
+                        if module is None:
+                            break
+                        self.pending[layer][e] = (module, self._pool.submit(self._fill, layer, e, module))
 
             self._hooks.append(prev.register_forward_hook(after))
             if self._pool is not None:
@@ -329,12 +385,8 @@ class ExpertCache:
 
     def _score_prediction(self, layer: int, n: int, selected: torch.Tensor, weights, scores) -> None:
         pred = self.predicted.pop(layer, None)
-        if pred is None or pred.shape[0] != selected.shape[0]:
-            return
-        e = self.num_experts
-        used = torch.zeros(selected.shape[0], e, dtype=torch.bool).scatter_(1, selected.clamp(0, e - 1).cpu(), True)
-        self.stats.predicted += pred.numel()
-        self.stats.predicted_right += int(used.gather(1, pred.cpu()).sum())
+        if pred is not None and pred.shape[0] == selected.shape[0]:
+            self._guesses.append((pred, selected))
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -345,6 +397,9 @@ class ExpertCache:
             self._pool = None
         for pending in self.pending.values():
             pending.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def _disk_prefix(adapter, module_name: str, expert: int) -> str:

@@ -135,6 +135,19 @@ def test_router_selects_the_experts_transformers_selects(moe_models, case):
         torch.testing.assert_close(w.float(), ref_w.float(), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_predict_selects_what_the_routing_selects(moe_models, case):
+    # The offload prefetch predicts with block.predict: the same experts as the block's routing, weights skipped.
+    rt = load_model(moe_models[case])
+    blocks = {b.layer_index: b for b in moe_blocks(rt.model)}
+    captured = []
+    with override_routing(rt.model, lambda i, routing, x: captured.append((i, routing, x))), torch.no_grad():
+        rt(input_ids=_ids(seed=3))
+    assert captured
+    for layer, routing, x in captured:
+        assert torch.equal(blocks[layer].predict(x).sort(-1).values, routing.selected.sort(-1).values)
+
+
 def test_group_limits_and_selection_bias_are_exercised(moe_models):
     """The grouped DeepSeek checkpoint is one where the bias and the group limit each change some choices."""
     rt = load_model(moe_models["deepseek_v3_grouped"])

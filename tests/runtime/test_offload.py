@@ -94,14 +94,24 @@ def test_draft_prefetch_predicts_and_raises_the_hit_rate(tiny_models, overlap):
     for prefetch in (False, True):
         rt = load_model(path)
         cache = install_offload(rt, OffloadOptions(2, "lru", prefetch, overlap=overlap))
-        read = cache._read
+        fill = cache._fill
 
-        def spy(layer, expert, read=read):
+        def spy(layer, expert, module, fill=fill):
             threads.add(threading.current_thread().name.split("_")[0])
-            return read(layer, expert)
+            return fill(layer, expert, module)
 
-        cache._read = spy
+        cache._fill = spy
+        fetch, held = cache.fetch, []
+
+        def counted(layer, expert, fetch=fetch, cache=cache):
+            out = fetch(layer, expert)
+            held.append(len(cache.resident[layer]) + len(cache.pending[layer]))
+            return out
+
+        cache.fetch = counted
         greedy_decode(rt, PROMPT, 24, on_prefill=cache.reset_stats)
+        # Experts being read count against the cache: never more modules with tensors than its size.
+        assert held and max(held) <= 2
         rates[prefetch] = cache.stats.to_dict()
         cache.remove()
     assert rates[True]["prefetch_fidelity"] is not None and rates[True]["prefetch_fidelity"] > 2 / 4

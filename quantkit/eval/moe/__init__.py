@@ -50,6 +50,9 @@ class MoEEvalOptions:
                                                  ("lru", "sync"), ("trace", "overlap"))
     prompt_tokens: int = 32  # offload runs: greedy decode of decode_tokens after a prompt of prompt_tokens
     decode_tokens: int = 32
+    # Offload runs: every row decodes this many times, the rows taken in turn, and reports its median speed (a
+    # single 64-token decode of a row moved by 30% between runs on a shared 2-core machine).
+    decode_repeats: int = 3
 
     def check(self, num_experts: int | None = None, top_k: int | None = None) -> None:
         bad = [p for p in self.policies if p not in POLICIES]
@@ -59,6 +62,8 @@ class MoEEvalOptions:
             raise InputError("capacity factors must be > 0")
         if self.samples < 1:
             raise InputError("--moe-samples must be at least 1")
+        if self.decode_repeats < 1:
+            raise InputError("offload decode repeats must be at least 1")
         if num_experts is not None:
             for n in self.offload_cache:
                 if not top_k <= n <= num_experts:
