@@ -2,8 +2,8 @@
 also with routed-only expert statistics), then `quantkit eval --moe` against the MoE original: KL, routing
 drift, capacity-aware inference, bias balancing and expert offloading with prefetch.
 
-    python benchmarks/bench_moe.py [--experts 16 --top-k 4 --shared-experts 8] [--calib-samples 384 --seq-len 256]
-        [--local-steps 100 --distill-steps 200 --local-samples 96]
+    python benchmarks/bench_moe.py [--experts 16 --top-k 4 --shared-experts 8] [--calib-samples 1024 --seq-len 256]
+        [--local-steps 100 --distill-steps 300 --local-samples 96]
 
 The MoE is made once into benchmarks/.work/moe/ and reused while its options match, as are finished quantised
 checkpoints, so an interrupted run continues where it stopped. Results: benchmarks/results/moe.md, moe.json and
@@ -103,9 +103,9 @@ def main() -> None:
     ap.add_argument("--shared-experts", type=int, default=8,
                     help="always-on experts of the routed size (qwen2_moe layout; 0: qwen3_moe, none)")
     ap.add_argument("--local-steps", type=int, default=100, help="moefy distillation: per-layer steps")
-    ap.add_argument("--distill-steps", type=int, default=200, help="moefy distillation: end-to-end steps")
+    ap.add_argument("--distill-steps", type=int, default=300, help="moefy distillation: end-to-end steps")
     ap.add_argument("--local-samples", type=int, default=96, help="moefy: blocks of the split and the local fits")
-    ap.add_argument("--calib-samples", type=int, default=384,
+    ap.add_argument("--calib-samples", type=int, default=1024,
                     help="calibration blocks of the MoEfication's end-to-end distillation")
     ap.add_argument("--quant-samples", type=int, default=16, help="calibration blocks of the quantisers")
     ap.add_argument("--seq-len", type=int, default=256)

@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quantkit.errors import InputError
@@ -143,7 +144,8 @@ class ExpertCache:
         self.recent: dict[int, list[float]] = {}
         self.prior: dict[int, torch.Tensor] = {}
         self.predicted: dict[int, torch.Tensor] = {}
-        self.pending: dict[int, dict[int, tuple[nn.Module, Future]]] = {}
+        self.pending: dict[int, dict[int, tuple[nn.Module, Future, int]]] = {}  # module, its reads, bytes
+        self.plans: dict[tuple[int, int], list[tuple]] = {}  # per stored tensor: where and how it is read
         self.signature: dict[tuple[int, int], tuple] = {}  # an expert's stored layout: modules of one are reusable
         self._fds: dict[object, int] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -157,6 +159,7 @@ class ExpertCache:
                     if ckpt not in index:
                         raise InputError(f"{rt.path}: expert tensor {ckpt} is not in the checkpoint")
                 self.tensors[(layer, e)] = entries
+                self.plans[(layer, e)] = [self._plan_entry(module, c, leaf, ck, p, index) for c, leaf, ck, p in entries]
                 self.signature[(layer, e)] = tuple((c, leaf, index.tensors[ck].dtype, index.tensors[ck].shape, p)
                                                    for c, leaf, ck, p in entries) + tuple(
                     repr(m.fmt) for m in module.modules() if isinstance(m, QuantLinear))
@@ -179,6 +182,16 @@ class ExpertCache:
         if opts.prefetch:
             self._install_prefetch(rt)
 
+    def _plan_entry(self, module: nn.Module, child_name: str, leaf: str, ckpt: str, is_param: bool, index) -> tuple:
+        """(child, leaf, checkpoint name, info, kept as stored, dtype in the module) of one expert tensor: quantised
+        linears keep their tensors as stored, like load_model; dense floating tensors take the model's dtype."""
+        info = index.tensors[ckpt]
+        child = module.get_submodule(child_name) if child_name else module
+        stored = DTYPES[info.dtype]
+        as_stored = isinstance(child, QuantLinear) and not is_param
+        return (child_name, leaf, ckpt, info, as_stored,
+                stored if as_stored or not stored.is_floating_point else self.dtype)
+
     # --------------------------------------------------------------------------------- residency
     # An expert module that holds tensors is either resident (in the cache) or pending (a prefetch reading into
     # it); together they never exceed the cache size. A load takes its module from the expert it evicts (same
@@ -199,46 +212,59 @@ class ExpertCache:
         return module
 
     def _fill(self, layer: int, expert: int, module: nn.Module) -> tuple[int, float]:
-        """Read the expert's tensors into `module` (bytes read, seconds). It touches no cache state and holds the
-        GIL only between positioned reads, so it may run on the prefetch thread while the module is its own."""
+        """Read the expert's tensors into `module` on the calling thread (bytes read, seconds)."""
         start = time.perf_counter()
-        moved = 0
-        for child_name, leaf, ckpt, is_param in self.tensors[(layer, expert)]:
-            info = self.index.tensors[ckpt]
-            child = module.get_submodule(child_name) if child_name else module
-            stored = DTYPES[info.dtype]
-            as_stored = isinstance(child, QuantLinear) and not is_param  # quantised tensors as stored, like load_model
-            want = stored if as_stored or not stored.is_floating_point else self.dtype
-            where = child._buffers if as_stored else child._parameters
-            dest = where.get(leaf)
-            if (dest is None or dest.is_meta or dest.dtype != want or tuple(dest.shape) != info.shape
-                    or dest.device != self.device):
-                dest = torch.empty(info.shape, dtype=want, device=self.device)
-                where[leaf] = dest if as_stored else dense_parameter(dest)
-                dest = where[leaf]
-            self._read_into(ckpt, info, dest)
-            moved += info.nbytes
+        reads, moved = self._targets(layer, expert, module)
+        _pread_all(reads)
         return moved, time.perf_counter() - start
 
-    def _read_into(self, ckpt: str, info, dest: torch.Tensor) -> None:
-        """The stored bytes straight into `dest` where nothing is converted; else read, then cast into it."""
+    def _targets(self, layer: int, expert: int, module: nn.Module) -> tuple[list[tuple], int]:
+        """Where the expert's stored tensors go in `module`: (fd, byte view, file offset, checkpoint name) for
+        each one read as it is stored, and the bytes of all; a tensor converted on the way (another dtype or
+        device, a native FP8 weight) is read and cast here. A module keeps its destinations (tensor and byte
+        view) from one read to the next, so a reused module costs no allocation and little Python."""
+        plan = self.plans[(layer, expert)]
+        dests = module.__dict__.get("_offload_dests")
+        known = module.__dict__.get("_offload_reads")
+        if known is not None and expert in known and all(where.get(leaf) is held for where, leaf, held, _ in dests):
+            return known[expert]  # the same tensors as the last time this expert was read into this module
+        if dests is None:
+            dests = [[(module.get_submodule(c) if c else module)._buffers if as_stored else
+                      (module.get_submodule(c) if c else module)._parameters, leaf, None, None]
+                     for c, leaf, _, _, as_stored, _ in plan]
+            module.__dict__["_offload_dests"] = dests
+        reads, moved = [], 0
+        for slot, (_, _, ckpt, info, as_stored, want) in zip(dests, plan):
+            where, leaf, held, view = slot
+            dest = where.get(leaf)
+            if dest is None or dest is not held:
+                if (dest is None or dest.is_meta or dest.dtype != want or tuple(dest.shape) != info.shape
+                        or dest.device != self.device):
+                    fresh = torch.empty(info.shape, dtype=want, device=self.device)
+                    where[leaf] = fresh if as_stored else dense_parameter(fresh)
+                    dest = where[leaf]
+                view = self._byte_view(ckpt, info, dest)
+                slot[2], slot[3] = dest, view
+            if view is not None:
+                fd = self._fds.get(info.file)
+                if fd is None:
+                    fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+                reads.append((fd, view, info.offset, ckpt))
+            elif info.nbytes:
+                with torch.no_grad():
+                    dest.copy_(self.index.get(ckpt))
+            moved += info.nbytes
+        if all(r is not None for *_, r in dests):  # only byte views: the plan can be replayed
+            module.__dict__.setdefault("_offload_reads", {})[expert] = (reads, moved)
+        return reads, moved
+
+    def _byte_view(self, ckpt: str, info, dest: torch.Tensor) -> memoryview | None:
+        """A writable view of dest's bytes where the stored bytes go there as they are; None where they are
+        converted on the way (another dtype or device, a native FP8 weight) or there is nothing to read."""
         if (dest.device.type != "cpu" or DTYPES[info.dtype] != dest.dtype or ckpt in self.index.native_fp8
-                or not dest.is_contiguous()):
-            with torch.no_grad():
-                dest.copy_(self.index.get(ckpt))
-            return
-        if info.nbytes == 0:
-            return
-        view = memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
-        fd = self._fds.get(info.file)
-        if fd is None:
-            fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
-        done = 0
-        while done < info.nbytes:
-            got = os.preadv(fd, [view[done:]], info.offset + done)
-            if got <= 0:
-                raise InputError(f"truncated safetensors file {info.file}: cannot read {ckpt}")
-            done += got
+                or not dest.is_contiguous() or info.nbytes == 0):
+            return None
+        return memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
 
     def _finish(self, module: nn.Module) -> None:
         """Re-prepare the kernels the resident model chose, on the decoding thread (kernel packing is OpenMP
@@ -260,8 +286,8 @@ class ExpertCache:
 
     def _collect(self, layer: int, expert: int) -> nn.Module:
         """File a prefetch into the cache, waiting for its read if it is still in flight."""
-        module, future = self.pending[layer].pop(expert)
-        moved, seconds = future.result()
+        module, future, moved = self.pending[layer].pop(expert)
+        seconds = future.result()  # the layer's reads together: counted once per expert, an upper bound
         start = time.perf_counter()
         self._finish(module)
         return self._insert(layer, expert, module, moved, seconds + time.perf_counter() - start, demand=False)
@@ -316,7 +342,7 @@ class ExpertCache:
 
     def _settle(self, layer: int, wait: bool = False) -> None:
         """File the layer's finished prefetches into its cache (`wait`: all of them); the rest stay pending."""
-        for expert, (_, future) in list(self.pending[layer].items()):
+        for expert, (_, future, _) in list(self.pending[layer].items()):
             if wait or future.done():
                 self._collect(layer, expert)
 
@@ -355,15 +381,20 @@ class ExpertCache:
                 continue
             prev, target = layers[layer - 1], layers[layer]
             norm = target.post_attention_layernorm
+            folded = folded_router(block, norm)
 
-            def after(mod, args, out, layer=layer, block=block, norm=norm):
+            def after(mod, args, out, layer=layer, block=block, norm=norm, folded=folded):
                 h = out[0] if isinstance(out, tuple) else out
-                x = norm(h).reshape(-1, h.shape[-1])
-                predicted = block.predict(x)
+                if folded is not None:  # one small fp32 matmul (bf16 is 4x slower at this size) and a top-k
+                    logits = F.linear(h.reshape(-1, h.shape[-1]).float(), folded)
+                    predicted = logits.topk(self.top_k, dim=-1).indices
+                else:
+                    predicted = block.predict(norm(h).reshape(-1, h.shape[-1]))
                 self.predicted[layer] = predicted
                 wanted = set(predicted.view(-1).tolist())
                 if len(wanted) > self.opts.cache_size:
                     return  # a prefill: more experts than fit; loading them would only churn the cache
+                batch, jobs = Future(), []
                 for e in wanted:
                     if e in self.resident[layer]:
                         self.resident[layer].move_to_end(e)
@@ -376,7 +407,13 @@ class ExpertCache:
                         module = self._slot(layer, e, keep=wanted)
                         if module is None:
                             break
-                        self.pending[layer][e] = (module, self._pool.submit(self._fill, layer, e, module))
+                        reads, moved = self._targets(layer, e, module)
+                        self.pending[layer][e] = (module, batch, moved)  # holds its slot from now on
+                        jobs += reads
+                if jobs:
+                    self._pool.submit(_timed_reads, jobs, batch)  # one job per layer: the thread only reads
+                else:
+                    batch.set_result(0.0)  # nothing to read there (converted tensors were read in place)
 
             self._hooks.append(prev.register_forward_hook(after))
             if self._pool is not None:
@@ -400,6 +437,68 @@ class ExpertCache:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def _timed_reads(reads: list[tuple], future: Future) -> None:
+    """Run the reads and settle `future` with their seconds (or their error, raised where it is collected)."""
+    start = time.perf_counter()
+    try:
+        _pread_all(reads)
+    except BaseException as exc:  # noqa: BLE001 - handed to the decoding thread
+        future.set_exception(exc)
+        return
+    future.set_result(time.perf_counter() - start)
+
+
+def _pread_all(reads: list[tuple]) -> None:
+    """Positioned reads straight into the destinations' bytes. Tensors that lie back to back in a file are read
+    by one scattering call: the GIL is free while a call copies, and each call's return takes it back from the
+    decoding thread, which is what a prefetch thread costs the decode here."""
+    runs: list[list] = []
+    for fd, view, offset, ckpt in sorted(reads, key=lambda r: (r[0], r[2])):
+        last = runs[-1] if runs else None
+        if last is not None and last[0] == fd and last[1] + last[2] == offset:
+            last[2] += len(view)
+            last[3].append(view)
+        else:
+            runs.append([fd, offset, len(view), [view], ckpt])
+    for fd, offset, size, views, ckpt in runs:
+        got = os.preadv(fd, views, offset)
+        if got == size:
+            continue
+        for view in views:  # a short read: finish it buffer by buffer
+            done = max(0, min(len(view), got))
+            got -= len(view)
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise InputError(f"truncated safetensors file: cannot read {ckpt}")
+                done += n
+            offset += len(view)
+
+
+def folded_router(block, norm: nn.Module) -> torch.Tensor | None:
+    """The router's weight times the norm's, [E, H] in fp32, where top-k of its logits on the raw hidden state ranks
+    the experts as the block's routing of norm(h) does, else None. That holds for softmax scores ranked without a
+    selection bias or expert groups, whatever positive factor per token scales the logits, and for a norm that is
+    such a factor times weight * h: checked on random rows (Gemma's 1 + weight or a LayerNorm's mean fail it)."""
+    spec = block.spec
+    weight = getattr(norm, "weight", None)
+    if spec.scoring != "softmax" or spec.selection_bias or spec.group_limited or not isinstance(weight, torch.Tensor):
+        return None
+    if weight.dim() != 1 or not bool((weight != 0).any()):
+        return None
+    generator = torch.Generator().manual_seed(0)
+    h = torch.randn(8, weight.shape[0], generator=generator).to(weight.dtype)
+    with torch.no_grad():
+        ratio = norm(h).float() / (h.float() * weight.float())
+    # Tiny entries say nothing about the ratio at bf16's precision; a zero weight's channel is zero either way.
+    keep = (h.float().abs() > 0.05) & (weight != 0)
+    for row, mask in zip(ratio, keep):
+        r = row[mask]
+        if r.numel() == 0 or not bool((r > 0).all()) or float(r.max() / r.min()) > 1.05:
+            return None
+    return getattr(block, spec.router).weight.float() * weight.float()
 
 
 def _disk_prefix(adapter, module_name: str, expert: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from quantkit.errors import InputError
 from quantkit.eval.moe import greedy_decode
@@ -86,21 +87,23 @@ def test_policies_evict_as_defined(tiny_models):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_draft_prefetch_predicts_and_raises_the_hit_rate(tiny_models, overlap):
+def test_draft_prefetch_predicts_and_raises_the_hit_rate(tiny_models, overlap, monkeypatch):
     import threading
+
+    from quantkit.runtime import offload
 
     path = tiny_models["qwen3_moe"]
     rates, threads = {}, set()
+    reads = offload._pread_all
+
+    def spy(jobs):
+        threads.add(threading.current_thread().name.split("_")[0])
+        return reads(jobs)
+
+    monkeypatch.setattr(offload, "_pread_all", spy)
     for prefetch in (False, True):
         rt = load_model(path)
         cache = install_offload(rt, OffloadOptions(2, "lru", prefetch, overlap=overlap))
-        fill = cache._fill
-
-        def spy(layer, expert, module, fill=fill):
-            threads.add(threading.current_thread().name.split("_")[0])
-            return fill(layer, expert, module)
-
-        cache._fill = spy
         fetch, held = cache.fetch, []
 
         def counted(layer, expert, fetch=fetch, cache=cache):
@@ -129,3 +132,31 @@ def test_offloaded_quantised_experts_give_back_their_kernel_tensors(quantised):
     assert rt.resident_weight_bytes < before
     for template in cache.templates.values():
         assert all(m.prepared is None for m in template.modules() if hasattr(m, "prepared"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "qwen3_moe"])
+def test_folded_router_ranks_as_the_routing_and_refuses_other_norms(tiny_models, family):
+    from quantkit.runtime.moe import moe_blocks
+    from quantkit.runtime.offload import folded_router
+
+    rt = load_model(tiny_models[family], torch.float32)
+    block = moe_blocks(rt.model)[0]
+    norm = rt.model.model.layers[block.layer_index].post_attention_layernorm
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)  # a trained-looking norm, not all ones
+        folded = folded_router(block, norm)
+        assert folded is not None
+        h = torch.randn(64, folded.shape[1], generator=torch.Generator().manual_seed(1)) * 3
+        got = F.linear(h, folded).topk(block.spec.top_k, dim=-1).indices.sort(-1).values
+        want = block.predict(norm(h)).sort(-1).values
+        assert torch.equal(got, want)
+
+        class OnePlus(torch.nn.Module):  # Gemma's norm: (1 + weight) * h / rms
+            def __init__(self, w):
+                super().__init__()
+                self.weight = w
+
+            def forward(self, x):
+                return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+        assert folded_router(block, OnePlus(norm.weight.detach().clone())) is None
