@@ -33,10 +33,11 @@ a trained MoE: the router at a normal temperature (its logits spread by about on
 normalised, and router and experts fitted to the dense model, first layer by layer and then end to end on its
 next-token distributions. Its combine weights vary with the token, so at k = E it is no longer the dense MLP.
 
-Attention: qwen2_moe takes Llama's attention as is (qkv_bias off); qwen3_moe adds per-head q/k RMSNorms,
-which are put into their linear regime (q_proj, k_proj scaled by a power of two so the per-head mean
-square is <= 1e-6 eps on calibration; the norm weights undo the scale; the q and k norm weights are picked
-as the pair of bf16 numbers whose product is nearest the exact one, since only q.k matters). deepseek_v3
+Attention: qwen2_moe takes Llama's attention as is (zero q/k/v biases where the source has none: vLLM reads
+them whatever the config says); qwen3_moe adds per-head q/k RMSNorms, which are put into their linear regime
+(q_proj, k_proj scaled by a power of two so the per-head mean square is <= 1e-6 eps on calibration; the norm
+weights undo the scale; the q and k norm weights are picked as the pair of bf16 numbers whose product is
+nearest the exact one, since only q.k matters). deepseek_v3
 needs MLA attention, so its source is a dense DeepSeek-V3 model (`quantkit convert-mla`) whose attention
 is copied as is.
 """
@@ -339,7 +340,9 @@ def moe_config(src: dict, opts: MoEfyOptions, moe_size: int) -> dict:
                 "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
                 "output_router_logits": False, "use_cache": True})
     if opts.layout == "qwen2_moe":
-        cfg.update({"qkv_bias": False, "shared_expert_intermediate_size": s * moe_size})
+        # q/k/v biases on, written as zeros where the source has none: vLLM's Qwen2-MoE (0.32) builds them whatever
+        # qkv_bias says and leaves the ones a checkpoint lacks uninitialised (NaN logprobs on the CPU build).
+        cfg.update({"qkv_bias": True, "shared_expert_intermediate_size": s * moe_size})
     else:
         cfg["attention_bias"] = False
     if opts.distill is not None:
@@ -494,6 +497,12 @@ def moefy_model(source: str | Path | None, output: Path, opts: MoEfyOptions, dat
         if any(n in name for n in moe_names) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         tensors[name] = t.to(dtype) if t.is_floating_point() else t
+    if opts.layout == "qwen2_moe":
+        for i, layer in enumerate(model.model.layers):
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                name = f"model.layers.{i}.self_attn.{proj}.bias"
+                if name not in tensors:
+                    tensors[name] = torch.zeros(getattr(layer.self_attn, proj).out_features, dtype=dtype)
     layers_report = []
     students = []
     distill = opts.distill

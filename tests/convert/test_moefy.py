@@ -88,6 +88,11 @@ def test_written_moe_loads_with_the_layout_and_routes_with_signal(sources, tmp_p
         assert "model.layers.0.mlp.shared_experts.gate_proj.weight" in t
     if layout == "qwen2_moe":
         assert "model.layers.0.mlp.shared_expert.up_proj.weight" in t
+        # vLLM builds Qwen2-MoE's q/k/v biases whatever qkv_bias says: they are written, as zeros (and the top-4
+        # run below still equals the dense source, which has none).
+        assert cfg["qkv_bias"] is True
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            assert not t[f"model.layers.0.self_attn.{proj}.bias"].any()
     report = evaluate_moe(sources[src], moe, [1, 2, 4], num_samples=4, seq_len=48)
     runs = report["runs"]
     assert runs["top4"]["kl"] < 1e-8  # every expert: the dense model
@@ -188,3 +193,26 @@ def test_moefy_command_ships_with_the_package(tiny_models, tmp_path):
     bad = CliRunner().invoke(app, ["moefy", "--model", str(tiny_models["llama"]), "--experts", "4", "--top-k", "9",
                                    "--output", str(tmp_path / "bad")])
     assert bad.exit_code == 2 and "--top-k must be within 1..4" in bad.stderr and not (tmp_path / "bad").exists()
+
+
+VLLM_PYTHON = __import__("os").environ.get("QUANTKIT_VLLM_PYTHON")
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set QUANTKIT_VLLM_PYTHON to an interpreter with vLLM")
+def test_qwen2_moe_with_shared_experts_serves_in_vllm_as_in_the_runtime(tmp_path):
+    """SmolLM2 split into a Qwen2-MoE with shared experts, every expert routed (the dense model whatever the
+    routing's rounding): vLLM's CPU build scores the NLL quantkit's runtime does. Without the written zero q/k/v
+    biases vLLM left its own uninitialised and every log-probability was NaN."""
+    import math
+
+    from quantkit.eval.runner import EvalOptions, run_eval
+
+    moe = tmp_path / "moe"
+    moefy_model(None, moe, MoEfyOptions(experts=4, top_k=4, shared_experts=2, layout="qwen2_moe"), num_samples=8,
+                seq_len=64, overwrite=True)
+    common = dict(checkpoints=[moe], baseline=str(moe), num_samples=4, seq_len=128)
+    own = run_eval(EvalOptions(**common, dtype="bfloat16")).report["results"][0]
+    served = run_eval(EvalOptions(**common, engine="vllm", vllm_python=VLLM_PYTHON)).report["results"][0]
+    assert math.isfinite(served["ppl"])
+    assert abs(math.log(served["ppl"]) - math.log(own["ppl"])) < 0.02
