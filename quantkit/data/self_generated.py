@@ -4,6 +4,10 @@
 Self-generated text follows the model's own distribution, needs no external data, and is not tied to one
 domain: sequences start from seeded, varied openers and are sampled (temperature 1, top-p 0.95) in batches
 with a KV cache. Results are cached on disk by (model files, seed, count, length).
+
+The model writing it is streamed (`streamed_model`): transformers' model and generate, with each decoder layer
+read from the safetensors for every forward call and dropped after it, so memory stays at one layer plus the
+embeddings, head and KV cache whatever the model's size; it samples the same tokens as the whole model.
 """
 
 from __future__ import annotations
@@ -76,11 +80,87 @@ def _model_key(model_path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+class _StreamedLayer(torch.nn.Module):
+    """Stands where decoder layer i was: each call reads the layer from the checkpoint, runs it, and lets it go,
+    so one decoder layer is resident at a time (the KV cache is the caller's). `resident` counts live layers."""
+
+    def __init__(self, handle, index: int, dtype: torch.dtype, meta: torch.nn.Module, resident: list[int]):
+        super().__init__()
+        self._handle, self._meta, self._resident = [handle], [meta], resident  # lists: not submodules
+        self.index, self.dtype = index, dtype
+        for key, value in vars(meta).items():  # what the model's forward reads of a layer (attention_type...)
+            if not key.startswith("_") and isinstance(value, (bool, int, float, str)):
+                setattr(self, key, value)
+
+    def forward(self, *args, **kwargs):
+        layer = self._handle[0].materialize_layer(self.index, self.dtype, source=self._meta[0])
+        self._resident[0] += 1
+        self._resident[1] = max(self._resident[1], self._resident[0])
+        try:
+            return layer(*args, **kwargs)
+        finally:
+            self._resident[0] -= 1
+            for module in layer.modules():  # its tensors go now, not when the garbage collector finds its cycles
+                module._parameters.clear()
+                module._buffers.clear()
+
+
+def streamed_model(model_path: Path, dtype: torch.dtype):
+    """The causal LM at model_path for generation with one decoder layer resident: transformers' own model
+    (its forward, generate and KV cache) built on meta, its embeddings, final norm and head read once, each
+    decoder layer read from the safetensors for every forward call. `model.streamed_peak` is the most decoder
+    layers that were ever resident together."""
+    from quantkit.models.loader import _get, open_model
+    from quantkit.models.source import ResolvedModel
+
+    handle = open_model(ResolvedModel(Path(model_path), str(model_path)))
+    model = handle.skeleton
+    model.config._attn_implementation = _default_attention(handle.config)  # the skeleton's forced sdpa may not fit
+    layers = handle.layers()
+    resident = [0, 0]
+    for i in range(len(layers)):
+        layers[i] = _StreamedLayer(handle, i, dtype, layers[i], resident)
+    root = handle.adapter.layers_path + "."
+    tops = sorted({name.rpartition(".")[0] for name, p in model.named_parameters()
+                   if p.is_meta and not name.startswith(root)})
+    tied = getattr(handle.config, "tie_word_embeddings", False)
+    head = model.get_output_embeddings()
+    for path in tops:
+        module = _get(model, path)
+        if tied and module is head:
+            continue
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            handle.materialize_module(path, dtype)
+    if tied:
+        head._parameters["weight"] = model.get_input_embeddings().weight
+    # Generation scores the last position only, a slice matmul cannot fold into one GEMM unless the weight
+    # requires grad: otherwise it goes to bmm, which copies the head once per sequence of the batch (16 x 57 MB
+    # for SmolLM2's). Nothing is recorded: generate runs under no_grad.
+    head.weight.requires_grad_(True)
+    model.streamed_peak = lambda: resident[1]
+    return model.eval()
+
+
+def _default_attention(config) -> str:
+    """The attention transformers picks for this config by itself (Gemma 2's logit soft-capping refuses sdpa)."""
+    import copy
+    import warnings
+
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    fresh = copy.deepcopy(config)
+    fresh._attn_implementation = None
+    with warnings.catch_warnings(), init_empty_weights(include_buffers=False):
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_config(fresh).config._attn_implementation
+
+
 def generate_blocks(model_path: str | Path, num_samples: int, seq_len: int, seed: int, batch_size: int = 16,
                     top_p: float = 0.95) -> torch.Tensor:
     """[num_samples, seq_len] token ids sampled from the model at model_path."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     model_path = Path(model_path)
     key = f"{_model_key(model_path)}-{seed}-{num_samples}-{seq_len}-{top_p}"
@@ -88,7 +168,7 @@ def generate_blocks(model_path: str | Path, num_samples: int, seq_len: int, seed
     if cached.is_file():
         return load_file(str(cached))["input_ids"]
     tok = AutoTokenizer.from_pretrained(str(model_path))
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.bfloat16).eval()
+    model = streamed_model(model_path, torch.bfloat16)
     rng = random.Random(seed)
     bos = [tok.bos_token_id] if tok.bos_token_id is not None and tok("a").input_ids[:1] == [tok.bos_token_id] else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)

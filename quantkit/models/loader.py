@@ -87,11 +87,12 @@ class ModelHandle:
         found = {self._layer_index(n) for n in self.index.names() if n.startswith(layer_root)}
         return sorted(i for i in found if i is not None and i >= self.num_layers)
 
-    def meta_layer(self, i: int) -> nn.Module:
-        """A meta-device copy of decoder layer i with fused MoE experts replaced by per-expert linears."""
+    def meta_layer(self, i: int, source: nn.Module | None = None) -> nn.Module:
+        """A meta-device copy of decoder layer i (or of `source`, the skeleton's layer i kept elsewhere) with fused
+        MoE experts replaced by per-expert linears."""
         import copy
 
-        layer = copy.deepcopy(self.layers()[i])
+        layer = copy.deepcopy(self.layers()[i] if source is None else source)
         layout = self.adapter.experts
         if layout is not None:
             try:
@@ -102,10 +103,10 @@ class ModelHandle:
                 _set(layer, layout.module, unfuse_experts(fused, layout))
         return layer
 
-    def materialize_layer(self, i: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Module:
+    def materialize_layer(self, i: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                          source: nn.Module | None = None) -> nn.Module:
         """A real copy of decoder layer i (experts unfused), weights read from disk and cast to `dtype`."""
-        meta_layer = self.layers()[i]
-        layer = self.meta_layer(i)
+        layer = self.meta_layer(i, source)
         prefix = self.layer_prefix(i)
         # Each parameter is swapped in as it is read (no empty copy of the whole layer first): peak is one
         # layer, not two.
