@@ -29,14 +29,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
     os.environ.setdefault("QUANTKIT_NO_PROGRESS", "1")
-    from common import machine_line, write_results
+    from common import bench_moe_model, machine_line, write_results
     from quantkit.eval.moe import MoEEvalOptions
     from quantkit.eval.runner import EvalOptions, run_eval
 
-    moes = sorted(p for p in args.work.glob("smollm2-moe-*") if (p / "config.json").is_file())
-    if not moes:
-        sys.exit(f"error: no MoE in {args.work}; run benchmarks/bench_moe.py first")
-    moe = moes[-1]
+    moe = bench_moe_model(args.work)
     load = {"before": os.getloadavg()[0]}
     started = time.time()
     runs = (("lru", ""), ("lru", "overlap"), ("lru", "sync"))

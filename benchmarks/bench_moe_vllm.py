@@ -37,14 +37,11 @@ def main() -> None:
         sys.exit("error: set QUANTKIT_VLLM_PYTHON to the interpreter of vLLM's venv (benchmarks/setup_vllm.sh)")
     import torch
 
-    from common import machine_line, write_results
+    from common import bench_moe_model, machine_line, write_results
     from quantkit.errors import QuantkitError
     from quantkit.eval.runner import EvalOptions, run_eval
 
-    moes = sorted(p for p in args.work.glob("smollm2-moe-*") if (p / "config.json").is_file())
-    if not moes:
-        sys.exit(f"error: no MoE in {args.work}; run benchmarks/bench_moe.py first")
-    moe = moes[-1]
+    moe = bench_moe_model(args.work)
     load = {"before": os.getloadavg()[0]}
     started = time.time()
     rows = []

@@ -133,3 +133,13 @@ def comparison_rows(run_a: dict, run_b: dict, kl_a: dict, kl_b: dict) -> list[tu
                  (f"perplexity, {k} (base {kl_a[k]['ppl_base']:.3f})", kl_a[k]["ppl"], kl_b[k]["ppl"]),
                  (f"top-1 agreement, {k}", kl_a[k]["top1_agree"], kl_b[k]["top1_agree"])]
     return rows
+
+
+def bench_moe_model(work: Path) -> Path:
+    """The MoE benchmarks/bench_moe.py made in `work` (exit with one line when there is none)."""
+    import sys
+
+    moes = sorted(p for p in work.glob("smollm2-moe-*") if (p / "config.json").is_file())
+    if not moes:
+        sys.exit(f"error: no MoE in {work}; run benchmarks/bench_moe.py first")
+    return moes[-1]

@@ -137,7 +137,6 @@ class ExpertCache:
 
         adapter = _generic_adapter(getattr(rt.config, "model_type", "?"))
         self.templates: dict[tuple[int, int], nn.Module] = {}
-        self.tensors: dict[tuple[int, int], list] = {}
         self.resident: dict[int, OrderedDict[int, nn.Module]] = {}
         # Plain lists, not tensors: they change on every expert request, and a tensor op there costs microseconds.
         self.freq: dict[int, list[float]] = {}
@@ -158,7 +157,6 @@ class ExpertCache:
                 for _, _, ckpt, _ in entries:
                     if ckpt not in index:
                         raise InputError(f"{rt.path}: expert tensor {ckpt} is not in the checkpoint")
-                self.tensors[(layer, e)] = entries
                 self.plans[(layer, e)] = [self._plan_entry(module, c, leaf, ck, p, index) for c, leaf, ck, p in entries]
                 self.signature[(layer, e)] = tuple((c, leaf, index.tensors[ck].dtype, index.tensors[ck].shape, p)
                                                    for c, leaf, ck, p in entries) + tuple(
@@ -287,7 +285,10 @@ class ExpertCache:
     def _collect(self, layer: int, expert: int) -> nn.Module:
         """File a prefetch into the cache, waiting for its read if it is still in flight."""
         module, future, moved = self.pending[layer].pop(expert)
-        seconds = future.result()  # the layer's reads together: counted once per expert, an upper bound
+        seconds = future.result()  # the layer's reads together: counted with the first of its experts filed
+        if getattr(future, "counted", False):
+            seconds = 0.0
+        future.counted = True
         start = time.perf_counter()
         self._finish(module)
         return self._insert(layer, expert, module, moved, seconds + time.perf_counter() - start, demand=False)
