@@ -87,22 +87,28 @@ class _StreamedLayer(torch.nn.Module):
     def __init__(self, handle, index: int, dtype: torch.dtype, meta: torch.nn.Module, resident: list[int]):
         super().__init__()
         self._handle, self._meta, self._resident = [handle], [meta], resident  # lists: not submodules
+        self._shell: list[torch.nn.Module] = []  # the layer's module tree, built once, its weights on meta between calls
         self.index, self.dtype = index, dtype
         for key, value in vars(meta).items():  # what the model's forward reads of a layer (attention_type...)
             if not key.startswith("_") and isinstance(value, (bool, int, float, str)):
                 setattr(self, key, value)
 
     def forward(self, *args, **kwargs):
-        layer = self._handle[0].materialize_layer(self.index, self.dtype, source=self._meta[0])
+        handle = self._handle[0]
+        if not self._shell:
+            self._shell.append(handle.meta_layer(self.index, self._meta[0]))
+        layer = handle.materialize_layer(self.index, self.dtype, shell=self._shell[0])
         self._resident[0] += 1
         self._resident[1] = max(self._resident[1], self._resident[0])
         try:
             return layer(*args, **kwargs)
         finally:
             self._resident[0] -= 1
-            for module in layer.modules():  # its tensors go now, not when the garbage collector finds its cycles
-                module._parameters.clear()
-                module._buffers.clear()
+            for module in layer.modules():  # the weights go back to meta: read again at the next call
+                for leaf, p in module._parameters.items():
+                    if p is not None:
+                        module._parameters[leaf] = torch.nn.Parameter(torch.empty_like(p, device="meta"),
+                                                                      requires_grad=False)
 
 
 def streamed_model(model_path: Path, dtype: torch.dtype):
