@@ -28,7 +28,7 @@ def test_streamed_model_generates_what_the_whole_model_does_one_layer_at_a_time(
         want = whole.generate(IDS, **sample)
         torch.manual_seed(3)
         got = streamed.generate(IDS, **sample)
-    if family in ("qwen3_moe", "deepseek_v3"):  # experts run one linear each, as the calibration pipeline runs them: bf16 rounding
+    if family in ("qwen3_moe", "deepseek_v3"):  # experts run one linear each, as calibration runs them: bf16 rounding
         torch.testing.assert_close(b.float(), a.float(), atol=0.02, rtol=0)
     else:
         assert torch.equal(a, b)

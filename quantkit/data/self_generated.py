@@ -87,7 +87,7 @@ class _StreamedLayer(torch.nn.Module):
     def __init__(self, handle, index: int, dtype: torch.dtype, meta: torch.nn.Module, resident: list[int]):
         super().__init__()
         self._handle, self._meta, self._resident = [handle], [meta], resident  # lists: not submodules
-        self._shell: list[torch.nn.Module] = []  # the layer's module tree, built once, its weights on meta between calls
+        self._shell: list[torch.nn.Module] = []  # the layer's module tree, built once; weights on meta between calls
         self.index, self.dtype = index, dtype
         for key, value in vars(meta).items():  # what the model's forward reads of a layer (attention_type...)
             if not key.startswith("_") and isinstance(value, (bool, int, float, str)):

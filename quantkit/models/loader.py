@@ -104,10 +104,10 @@ class ModelHandle:
         return layer
 
     def materialize_layer(self, i: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                          source: nn.Module | None = None, shell: nn.Module | None = None) -> nn.Module:
+                          shell: nn.Module | None = None) -> nn.Module:
         """A real copy of decoder layer i (experts unfused), weights read from disk and cast to `dtype`; into
         `shell` (an earlier meta_layer(i) whose weights went back to meta) where one is given."""
-        layer = shell if shell is not None else self.meta_layer(i, source)
+        layer = shell if shell is not None else self.meta_layer(i)
         prefix = self.layer_prefix(i)
         # Each parameter is swapped in as it is read (no empty copy of the whole layer first): peak is one
         # layer, not two.
