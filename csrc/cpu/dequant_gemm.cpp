@@ -257,6 +257,7 @@ struct DotArgs {
   const float* xc;                // [M, n_blocks]: c = absmax / (127 * 256)
   const float* xcs;               // [M, n_blocks]: c * (sum over the block of 256 * hi + lo)
   const int16_t* x16;             // [M, K]: 256 * hi + lo (the 8-bit AVX2 path's operand), else nullptr
+  bool lo;                        // false: x is int8 codes (every lo is 0) and the kernels skip the lo products
 };
 
 inline int64_t block_width(const DotArgs& A, int64_t b) { return std::min(A.block, A.K - b * A.block); }
@@ -364,7 +365,7 @@ inline void store_avx2(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_
 }
 
 // AVX2: a tile step is two 32-byte halves (rows 0-7, 8-15); pmaddubsw + pmaddwd per half.
-template <int MB>
+template <int MB, bool LO>
 void dot_tile_avx2(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
   const uint8_t* w = A.tiles + t * (A.K / 8) * 64;
   const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -385,10 +386,14 @@ void dot_tile_avx2(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ld
           // pmaddubsw: two u4 x s8 products per int16 (|.| <= 3840); two of them summed still fit.
           const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(ue, _mm256_set1_epi32(load4(xh))),
                                               _mm256_maddubs_epi16(uo, _mm256_set1_epi32(load4(xh + 4))));
-          const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(ue, _mm256_set1_epi32(load4(xl))),
-                                              _mm256_maddubs_epi16(uo, _mm256_set1_epi32(load4(xl + 4))));
-          d[m][h] = _mm256_add_epi32(d[m][h], _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(ph, ones), 8),
-                                                               _mm256_madd_epi16(pl, ones)));
+          if constexpr (LO) {
+            const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(ue, _mm256_set1_epi32(load4(xl))),
+                                                _mm256_maddubs_epi16(uo, _mm256_set1_epi32(load4(xl + 4))));
+            d[m][h] = _mm256_add_epi32(d[m][h], _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(ph, ones), 8),
+                                                                 _mm256_madd_epi16(pl, ones)));
+          } else {
+            d[m][h] = _mm256_add_epi32(d[m][h], _mm256_slli_epi32(_mm256_madd_epi16(ph, ones), 8));
+          }
         }
       }
     }
@@ -457,7 +462,7 @@ QK_VNNI_TARGET inline __m512 add_block(const DotArgs& A, int64_t t, int64_t g, i
 // AVX512-VNNI: one 64-byte tile step per load, 16 rows per zmm lane set. For MB <= 2 the even and odd
 // halves of each step accumulate separately (four dpbusd chains per x row instead of two: the chains'
 // latency, not the throughput, bounds one-row decode).
-template <int MB>
+template <int MB, bool LO>
 QK_VNNI_TARGET void dot_tile_vnni(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
   constexpr int C = MB <= 2 ? 2 : 1;
   const uint8_t* w = A.tiles + t * step_bytes(A);
@@ -478,9 +483,11 @@ QK_VNNI_TARGET void dot_tile_vnni(const DotArgs& A, int64_t t, int64_t m0, float
         const int8_t* xh = A.xq + (m0 + m) * 2 * A.K + k;
         const int8_t* xl = xh + A.K;
         dh[m][0] = _mm512_dpbusd_epi32(dh[m][0], ue, _mm512_set1_epi32(load4(xh)));
-        dl[m][0] = _mm512_dpbusd_epi32(dl[m][0], ue, _mm512_set1_epi32(load4(xl)));
         dh[m][C - 1] = _mm512_dpbusd_epi32(dh[m][C - 1], uo, _mm512_set1_epi32(load4(xh + 4)));
-        dl[m][C - 1] = _mm512_dpbusd_epi32(dl[m][C - 1], uo, _mm512_set1_epi32(load4(xl + 4)));
+        if constexpr (LO) {
+          dl[m][0] = _mm512_dpbusd_epi32(dl[m][0], ue, _mm512_set1_epi32(load4(xl)));
+          dl[m][C - 1] = _mm512_dpbusd_epi32(dl[m][C - 1], uo, _mm512_set1_epi32(load4(xl + 4)));
+        }
       }
     }
     for (int m = 0; m < MB; ++m) {
@@ -498,7 +505,7 @@ QK_VNNI_TARGET void dot_tile_vnni(const DotArgs& A, int64_t t, int64_t m0, float
 // block sums at most 128 * 255 * 128 per half, and hi * 256 + lo stays below 2^31. S tiles (ts) against MB rows of
 // x from m0, C steps in flight; S = 2 at batch 1: two sequential streams per thread, which measured +12% over one
 // (5632 x 2048 from DRAM; 3, 4 and 6 streams were no better, 6 worse).
-template <int S, int MB, int C>
+template <int S, int MB, int C, bool LO>
 QK_VNNI_TARGET void dot8_tiles_vnni(const DotArgs& A, const int64_t* ts, int64_t m0, float* y, int64_t ldy) {
   const uint8_t* w[S];
   for (int i = 0; i < S; ++i) w[i] = A.tiles + ts[i] * step_bytes(A);
@@ -520,7 +527,7 @@ QK_VNNI_TARGET void dot8_tiles_vnni(const DotArgs& A, const int64_t* ts, int64_t
           for (int m = 0; m < MB; ++m) {
             const int8_t* xh = A.xq + (m0 + m) * 2 * A.K + k + 4 * c;
             dh[i][m][c] = _mm512_dpbusd_epi32(dh[i][m][c], u, _mm512_set1_epi32(load4(xh)));
-            dl[i][m][c] = _mm512_dpbusd_epi32(dl[i][m][c], u, _mm512_set1_epi32(load4(xh + A.K)));
+            if constexpr (LO) dl[i][m][c] = _mm512_dpbusd_epi32(dl[i][m][c], u, _mm512_set1_epi32(load4(xh + A.K)));
           }
         }
       }
@@ -538,9 +545,9 @@ QK_VNNI_TARGET void dot8_tiles_vnni(const DotArgs& A, const int64_t* ts, int64_t
   }
 }
 
-template <int MB>
+template <int MB, bool LO>
 QK_VNNI_TARGET void dot8_tile_vnni(const DotArgs& A, int64_t t, int64_t m0, float* y, int64_t ldy) {
-  dot8_tiles_vnni<1, MB, (MB <= 2 ? 2 : 1)>(A, &t, m0, y, ldy);
+  dot8_tiles_vnni<1, MB, (MB <= 2 ? 2 : 1), LO>(A, &t, m0, y, ldy);
 }
 
 bool cpu_has_vnni() {
@@ -554,8 +561,8 @@ bool cpu_has_vnni() { return false; }
 
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, VNNI512 = 2 };
 
-template <int MB>
-void dot_tiles(const DotArgs& A, int64_t isa, int64_t m0, float* y, int64_t ldy) {
+template <int MB, bool LO>
+void dot_tiles_of(const DotArgs& A, int64_t isa, int64_t m0, float* y, int64_t ldy) {
   const int64_t tiles = (A.N + TILE - 1) / TILE;
 #ifdef QK_X86
   if (MB == 1 && A.bits == 8 && isa == VNNI512) {
@@ -565,9 +572,9 @@ void dot_tiles(const DotArgs& A, int64_t isa, int64_t m0, float* y, int64_t ldy)
       for (int64_t i = 0; i < per; ++i) {
         int64_t ts[S];
         for (int j = 0; j < S; ++j) ts[j] = t0 + j * per + i;
-        dot8_tiles_vnni<S, 1, 1>(A, ts, m0, y, ldy);
+        dot8_tiles_vnni<S, 1, 1, LO>(A, ts, m0, y, ldy);
       }
-      for (int64_t t = t0 + S * per; t < t1; ++t) dot8_tile_vnni<1>(A, t, m0, y, ldy);
+      for (int64_t t = t0 + S * per; t < t1; ++t) dot8_tile_vnni<1, LO>(A, t, m0, y, ldy);
     });
     return;
   }
@@ -576,21 +583,27 @@ void dot_tiles(const DotArgs& A, int64_t isa, int64_t m0, float* y, int64_t ldy)
     for (int64_t t = t0; t < t1; ++t) {
 #ifdef QK_X86
       if (isa == VNNI512) {
-        if (A.bits == 4) dot_tile_vnni<MB>(A, t, m0, y, ldy);
-        else dot8_tile_vnni<MB>(A, t, m0, y, ldy);
+        if (A.bits == 4) dot_tile_vnni<MB, LO>(A, t, m0, y, ldy);
+        else dot8_tile_vnni<MB, LO>(A, t, m0, y, ldy);
         continue;
       }
 #endif
 #ifdef QK_AVX2
       if (isa == AVX2) {
-        if (A.bits == 4) dot_tile_avx2<MB>(A, t, m0, y, ldy);
-        else dot8_tile_avx2<MB>(A, t, m0, y, ldy);
+        if (A.bits == 4) dot_tile_avx2<MB, LO>(A, t, m0, y, ldy);
+        else dot8_tile_avx2<MB>(A, t, m0, y, ldy);  // 16-bit x either way (x16)
         continue;
       }
 #endif
       dot_tile_scalar<MB>(A, t, m0, y, ldy);
     }
   });
+}
+
+template <int MB>
+void dot_tiles(const DotArgs& A, int64_t isa, int64_t m0, float* y, int64_t ldy) {
+  if (A.lo) dot_tiles_of<MB, true>(A, isa, m0, y, ldy);
+  else dot_tiles_of<MB, false>(A, isa, m0, y, ldy);
 }
 
 // The 16 dense fp32 rows of tile t (padded rows included), for batches past the GEMV range.
@@ -679,7 +692,31 @@ DotArgs dot_args(const at::Tensor& tiles, const at::Tensor& scale, const at::Ten
   for (int64_t b = 0; b < n_blocks; ++b) group_of_block[b] = (b * block) / group;
   return DotArgs{tiles.data_ptr<uint8_t>(), scale.data_ptr<float>(), has_z ? zscale.data_ptr<float>() : nullptr,
                  K, N, n_groups, block, n_blocks, bits, bits == 4 ? 8.0f : 128.0f, group_of_block.data(),
-                 nullptr, nullptr, nullptr, nullptr};
+                 nullptr, nullptr, nullptr, nullptr, true};
+}
+
+// The GEMV over M rows of x once A's x fields are set: the ISA downgraded to what this CPU and build have, the 8-bit
+// AVX2 path's 16-bit x formed, rows in blocks of up to 8. Returns fp32 [M, N].
+at::Tensor dot_rows(DotArgs& A, int64_t M, int64_t isa) {
+  const int64_t K = A.K, N = A.N;
+  if (isa == VNNI512 && !cpu_has_vnni()) isa = AVX2;
+#ifndef QK_AVX2
+  if (isa == AVX2) isa = SCALAR;
+#endif
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor x16;
+  if (A.bits == 8 && isa == AVX2) {  // the 8-bit AVX2 path multiplies 16-bit x
+    x16 = at::empty({M, K}, f32.dtype(at::kShort));
+    int16_t* p = x16.data_ptr<int16_t>();
+    const int8_t* q = A.xq;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) p[m * K + k] = int16_t(256 * q[m * 2 * K + k] + q[m * 2 * K + K + k]);
+    A.x16 = p;
+  }
+  at::Tensor y = at::empty({M, N}, f32);
+  float* yp = y.data_ptr<float>();
+  for_row_blocks(M, [&](auto mb, int64_t m0) { dot_tiles<decltype(mb)::value>(A, isa, m0, yp, N); });
+  return y;
 }
 
 // The integer-dot GEMV on the tiles made by quantkit.runtime.kernels.cpp (see dot_args): x [M, K] fp32, bf16 or
@@ -703,23 +740,47 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Te
   A.xq = xq.data_ptr<int8_t>();
   A.xc = xc.data_ptr<float>();
   A.xcs = xcs.data_ptr<float>();
-  if (isa == VNNI512 && !cpu_has_vnni()) isa = AVX2;
-#ifndef QK_AVX2
-  if (isa == AVX2) isa = SCALAR;
-#endif
-  at::Tensor x16;
-  if (bits == 8 && isa == AVX2) {  // the 8-bit AVX2 path multiplies 16-bit x
-    x16 = at::empty({M, K}, xf.options().dtype(at::kShort));
-    int16_t* p = x16.data_ptr<int16_t>();
-    const int8_t* q = xq.data_ptr<int8_t>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) p[m * K + k] = int16_t(256 * q[m * 2 * K + k] + q[m * 2 * K + K + k]);
-    A.x16 = p;
+  return dot_rows(A, M, isa);
+}
+
+// x given as dynamic per-token int8 codes [M, K] with fp32 scales [M] (x = scale * code, as
+// quantkit.quant.activations.token_codes makes them): x @ dequant(W)^T in fp32 [M, N] for any M. The integer sums
+// are exact, so the result is the int8 x int4/int8 product an engine with int8 activations computes (QSPEC's
+// W4A8 draft); the codes take the place of hi with every lo 0 (c = scale / 256), which the VNNI and 4-bit AVX2
+// kernels skip: one multiply-add per weight byte instead of two.
+at::Tensor dot_linear_codes(const at::Tensor& codes, const at::Tensor& xscale, const at::Tensor& tiles,
+                            const at::Tensor& scale, const at::Tensor& zscale, int64_t N, int64_t group, int64_t bits,
+                            int64_t isa) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kChar,
+              "codes must be contiguous int8 [M, K]");
+  const int64_t M = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(xscale.scalar_type() == at::kFloat && xscale.is_contiguous() && xscale.numel() == M,
+              "xscale must be fp32 [M]");
+  std::vector<int64_t> group_of_block;
+  DotArgs A = dot_args(tiles, scale, zscale, N, K, group, bits, group_of_block);
+  const int64_t block = A.block, n_blocks = A.n_blocks;
+  at::Tensor xq = at::zeros({M, 2 * K}, codes.options());
+  at::Tensor xc = at::empty({M, n_blocks}, xscale.options());
+  at::Tensor xcs = at::empty({M, n_blocks}, xscale.options());
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = xscale.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float* cpf = xc.data_ptr<float>();
+  float* csf = xcs.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    std::memcpy(qp + m * 2 * K, cp + m * K, K);
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      int64_t sum = 0;
+      for (int64_t k = b * block; k < std::min(K, (b + 1) * block); ++k) sum += cp[m * K + k];
+      cpf[m * n_blocks + b] = sp[m] / 256.0f;
+      csf[m * n_blocks + b] = sp[m] * float(sum);  // |sum| <= 128 * 128: exact in fp32
+    }
   }
-  at::Tensor y = at::empty({M, N}, xf.options());
-  float* yp = y.data_ptr<float>();
-  for_row_blocks(M, [&](auto mb, int64_t m0) { dot_tiles<decltype(mb)::value>(A, isa, m0, yp, N); });
-  return y;
+  A.xq = qp;
+  A.xc = cpf;
+  A.xcs = csf;
+  A.lo = false;
+  return dot_rows(A, M, isa);
 }
 
 // codes: uint8 [N, row_bytes]; scale: fp32 [ceil(N / row_block), n_groups]; zp: int8 of the same shape or empty
@@ -1330,6 +1391,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dq_linear", &dq_linear, "x @ dequant(W)^T in fp32 (W: uint4 / int8 / e4m3 bytes with group scales)");
   m.def("has_avx2", &has_avx2, "built with the AVX2 + FMA + F16C path");
   m.def("dot_linear", &dot_linear, "x @ dequant(W)^T for 4- or 8-bit W in 16-row tiles (integer dot GEMV)");
+  m.def("dot_linear_codes", &dot_linear_codes, "(scale * codes) @ dequant(W)^T for int8 per-token x (W4A8 / W8A8 GEMV)");
   m.def("has_vnni", &cpu_has_vnni, "this CPU runs the AVX512-VNNI path");
   m.def("dq_weight", &dq_weight, "dequant(W) of dq_linear's weight into out [N, K] (fp32 / bf16 / fp16)");
   m.def("dot_weight", &dot_weight, "dequant(W) of dot_linear's tiles into out [N, K] (fp32 / bf16 / fp16)");

@@ -266,6 +266,8 @@ def run_draft(target_rt, draft, prompts: list[list[int]], opts: SpecOptions, pla
         "draft_bytes_per_token": draft_bytes,
         "target_bytes_per_token": target_bytes,
         "draft_bytes_ratio": draft_bytes / target_bytes if draft_bytes is not None and target_bytes else None,
+        # QSPEC W4A8: how many decoder linears ran the integer kernel on int8 codes (the rest fake-quantise)
+        "draft_int8_linears": getattr(draft, "int8_linears", None),
         "tree": tree.describe(),
         "temperature": opts.temperature,
         "acceptance_rate": totals["accepted"] / totals["depth"] if totals["depth"] else 0.0,

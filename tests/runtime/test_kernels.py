@@ -412,6 +412,51 @@ def test_tile_kernel_instruction_sets_agree_with_the_oracle(case, monkeypatch):
             assert (err <= 2**-8 * (y_o.abs() + mag)).all(), f"isa {isa} M={x.shape[0]}: max err {err.max():.3g}"
 
 
+@pytest.mark.parametrize("case", ["w4_asym_g64_act_order", "w4_asym_channel_k320", "w4_sym_g64_k576_n40",
+                                  "w8_asym_g64_act_order", "w8_sym_g128_k384"])
+def test_int8_token_codes_product_is_the_exact_w4a8_product(case, monkeypatch):
+    """QSPEC's integer path (`run_int8_tokens`): x quantised per token to int8 as the eager reference does
+    (activation_codes), then codes x stored weights. Oracle: those codes times their scales, in float64, against
+    the reference dequantisation in float64. Every instruction set, every row-block size and past the GEMV's 16
+    rows; fp32 x, so the bound is fp32 accumulation (2^-18 of the magnitudes summed), far below what the int8
+    rounding of x moves the output (about 2^-8 of them): a kernel that skipped the quantisation, or lost a code's low
+    bits, fails."""
+    from quantkit.quant.activations import activation_codes
+    from quantkit.runtime.kernels import cpp
+
+    build, _ = CASES[case]
+    layer, twin = build(torch.bfloat16), build(torch.bfloat16)
+    name = dispatch.prepare_layer(layer)[0]
+    if name not in (DOT, W8):
+        pytest.skip(f"{name} serves {case} on this CPU")
+    isas = [cpp.ISA_SCALAR, cpp.ISA_AVX2] + ([cpp.ISA_VNNI512] if cpp.extension().has_vnni() else [])
+    w = reference.dequantize_weight(twin, torch.float64)
+    zp = reference.zero_point(twin)
+    z = torch.zeros_like(w) if zp is None else (reference._expand(zp, twin, twin.fmt.weights).double()
+                                                 * reference._expand(twin.weight_scale.double(), twin, twin.fmt.weights))
+    gen = torch.Generator().manual_seed(7)
+    for m in (1, 2, 3, 5, 8, 9, 16, 33):
+        x = torch.randn(m, layer.in_features, generator=gen) * torch.linspace(0.1, 4.0, layer.in_features)
+        q, s, _ = activation_codes(x, TOKEN_INT8)
+        xq = q.double() * s.double().reshape(-1, 1)
+        y_o = F.linear(xq, w, twin.bias.double())
+        mag = xq.abs() @ (w.abs() + z.abs()).t() + twin.bias.double().abs()
+        unquantised = F.linear(x.double(), w, twin.bias.double())
+        assert ((unquantised - y_o).abs() > 2**-14 * mag).any()  # the int8 rounding of x shows at this bound
+        for isa in isas:
+            monkeypatch.setattr(cpp, "dot_isa", lambda isa=isa: isa)
+            y = layer.kernel.run_int8_tokens(x, layer.prepared, TOKEN_INT8)
+            err = (y.double() - y_o).abs()
+            assert (err <= 2**-18 * mag).all(), f"isa {isa} M={m}: max err {err.max():.3g}"
+
+
+def test_int8_token_codes_decline_a_layer_that_quantises_its_input_itself():
+    layer = CASES["w8a8_token_k320"][0](torch.bfloat16)
+    if dispatch.prepare_layer(layer)[0] != W8:
+        pytest.skip("cpu-int8dot does not serve W8A8 here")
+    assert layer.kernel.run_int8_tokens(torch.randn(2, 320).bfloat16(), layer.prepared, TOKEN_INT8) is None
+
+
 def test_int4dot_tiles_from_packed_bytes_equal_the_tiles_of_the_unpacked_values():
     """The C++ re-tiling of compressed-tensors' packed rows (what load uses) against the tensor-op tiling of the
     unpacked values (unsigned_weight, compressed-tensors' convention checked in test_reference.py)."""

@@ -137,6 +137,68 @@ def test_qspec_draft_shares_the_targets_weights_and_cache(models):
     assert not torch.allclose(full, low)
 
 
+@pytest.fixture(scope="module")
+def w4a16_runtime(tmp_path_factory):
+    """A W4A16 g64 runtime model whose linears the integer-dot kernel serves (K and groups multiples of 64), in fp32
+    so that rounding stays far below what int8 activations change."""
+    from quantkit.pipeline.engine import quantize_model
+    from quantkit.recipe import Recipe
+    from quantkit.runtime import load_model
+    from tests.conftest import make_tiny_model
+
+    root = tmp_path_factory.mktemp("qspec")
+    base = make_tiny_model(root / "base", "llama", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256,
+                           head_dim=32)
+    r = Recipe()
+    r.model.source = str(base)
+    r.quantization.scheme, r.quantization.group_size = "W4A16", 64
+    r.calibration.num_samples, r.calibration.seq_len = 2, 16
+    quantize_model(r, root / "w4a16")
+    return load_model(root / "w4a16", torch.float32, "cpu")
+
+
+def test_qspec_w4a8_draft_runs_on_int8_codes_and_computes_w4a8(w4a16_runtime, monkeypatch):
+    """self:W4A8 on a W4A16 target: every integer-dot linear takes the int8 codes (the product itself is checked
+    exactly in test_kernels), the others are fake-quantised, everything is restored afterwards, and greedy
+    speculation with the draft still equals plain greedy decoding."""
+    from quantkit.runtime.kernels.cpp import IntDotKernel
+    from quantkit.runtime.linear import QuantLinear
+    from quantkit.runtime.speculative.drafts import quantized_activations
+
+    rt = w4a16_runtime
+    served = {id(m) for m in rt.model.modules() if isinstance(m, QuantLinear) and isinstance(m.kernel, IntDotKernel)}
+    assert served
+    called = set()
+    real = IntDotKernel.run_int8_tokens
+
+    def spy(self, x, p, args):
+        called.update(id(m) for m in rt.model.modules() if isinstance(m, QuantLinear) and m.prepared is p)
+        return real(self, x, p, args)
+
+    monkeypatch.setattr(IntDotKernel, "run_int8_tokens", spy)
+    ids = torch.tensor([PROMPTS[1]])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.inference_mode():
+        full = step(rt, ids, pos, KVCache()).float()
+        with quantized_activations(rt, 8, integer=False):
+            fake = step(rt, ids, pos, KVCache()).float()
+        assert not called
+        with quantized_activations(rt, 8) as on_codes:
+            codes = step(rt, ids, pos, KVCache()).float()
+        assert called == served and on_codes == len(served)
+        assert all("forward" not in m.__dict__ for m in rt.model.modules())  # the patches are gone
+        again = step(rt, ids, pos, KVCache()).float()
+    torch.testing.assert_close(again, full, rtol=0, atol=0)
+    # Both are W4A8: int8 rounding is discontinuous, so the integer path's last bits (exact sums instead of a
+    # rounded q * scale) flip some codes downstream and the two cannot agree to rounding (one layer does:
+    # test_kernels); they move the output off the target's by the same order.
+    shift, fake_shift = (codes - full).abs().max(), (fake - full).abs().max()
+    assert 0 < shift < 3 * fake_shift and fake_shift < 3 * shift
+    plain, _ = plain_generate(rt, PROMPTS[1], 12)
+    got = speculative_generate(rt, self_draft(rt, "W4A8"), PROMPTS[1], SpecConfig(parse_tree("chain", 3), 12))
+    assert got.tokens == plain
+
+
 def test_early_exit_draft_is_the_truncated_model_on_the_targets_weights_and_cache(models):
     """self:skip:N against an independently built model of N layers holding the target's first N layers, norm and
     head: the same logits. It drafts on the target's own cache and hands it back as it was, the later layers'

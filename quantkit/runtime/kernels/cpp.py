@@ -291,6 +291,22 @@ class IntDotKernel(SourceVersion):
                                    dot_isa(), GEMV_MAX_ROWS)
         return finish(y, x, p)
 
+    def run_int8_tokens(self, x: torch.Tensor, p: IntTiles, args) -> torch.Tensor | None:
+        """The layer with its input quantised to `args` (dynamic per-token int8) on the way in, computed on the
+        int8 codes themselves: exact integer sums of codes x stored weights, scaled per token and group, at one
+        multiply-add per weight byte where the 16-bit x of `run` takes two (QSPEC's W4A8 draft on a W4A16 layer).
+        None where this layer quantises its input already (the caller fake-quantises instead)."""
+        if p.input_args is not None:
+            return None
+        x2 = flat(x, p.in_features)
+        codes, a_scale = token_codes(x2, args)
+        if p.perm is not None:
+            codes = codes.index_select(1, p.perm)
+        zs = p.zscale if p.zscale is not None else _EMPTY_F32
+        y = extension().dot_linear_codes(codes.contiguous(), a_scale.contiguous(), p.tiles, p.scale, zs,
+                                         p.out_features, p.group, self.bits, dot_isa())
+        return finish(y, x, p)
+
 
 class Int4DotKernel(IntDotKernel):
     name = "cpu-int4dot"

@@ -73,11 +73,17 @@ def early_exit(model, layers: int):
 
 
 @contextmanager
-def quantized_activations(model, bits: int):
-    """Every linear inside the decoder layers sees its input fake-quantised per token to `bits`-bit symmetric
-    integers (absmax scale, as the consumers' dynamic per-token activation quantisation does); the weights and
-    the cache are untouched. The LM head keeps full-precision inputs (QSPEC quantises the decoder's linears)."""
+def quantized_activations(model, bits: int, integer: bool = True):
+    """Every linear inside the decoder layers sees its input quantised per token to `bits`-bit symmetric integers
+    (absmax scale, as the consumers' dynamic per-token activation quantisation does); the weights and the cache are
+    untouched. The LM head keeps full-precision inputs (QSPEC quantises the decoder's linears).
+
+    With `integer` and 8 bits, a linear whose kernel takes int8 codes (`run_int8_tokens`: the integer-dot kernels
+    of 4- and 8-bit weights) computes on the codes, as an engine with int8 activations does; the others, and
+    `integer=False`, fake-quantise the input (quantise, dequantise) in front of their usual kernel. Yields how many
+    linears compute on int8 codes."""
     from quantkit.quant.args import QuantArgs
+    from quantkit.runtime.linear import QuantLinear
     from quantkit.runtime.reference import quantize_activation
 
     args = QuantArgs(num_bits=bits, strategy="token", dynamic=True)
@@ -87,13 +93,29 @@ def quantized_activations(model, bits: int):
     def hook(module, inputs):
         return (quantize_activation(inputs[0], args),) + tuple(inputs[1:])
 
-    handles = [m.register_forward_pre_hook(hook) for m in net.modules()
-               if m is not head and (isinstance(m, nn.Linear) or type(m).__name__ == "QuantLinear")]
+    def on_codes(module, run, fallback):
+        def forward(x):
+            y = run(x, module.prepared, args)
+            return fallback(quantize_activation(x, args)) if y is None else y
+        return forward
+
+    handles, patched = [], []
+    for m in net.modules():
+        if m is head or not (isinstance(m, nn.Linear) or type(m).__name__ == "QuantLinear"):
+            continue
+        run = getattr(m.kernel, "run_int8_tokens", None) if isinstance(m, QuantLinear) else None
+        if integer and bits == 8 and run is not None:
+            m.forward = on_codes(m, run, m.forward)  # an instance attribute, deleted on the way out
+            patched.append(m)
+        else:
+            handles.append(m.register_forward_pre_hook(hook))
     try:
-        yield
+        yield len(patched)
     finally:
         for h in handles:
             h.remove()
+        for m in patched:
+            del m.forward
 
 
 def vocabulary_head(model, ids: torch.Tensor) -> nn.Linear:
@@ -175,6 +197,8 @@ class ModelDraft:
         self.vocabulary: torch.Tensor | None = None
         self._head: nn.Module | None = None
         self._full_vocab = 0
+        self.integer_activations = True  # QSPEC on int8 codes where the kernels take them (quantized_activations)
+        self.int8_linears: int | None = None  # how many of them did, in the last draft pass (QSPEC W4A8 only)
 
     def restrict_vocabulary(self, ids: torch.Tensor) -> None:
         head = _network(self.model).get_output_embeddings()
@@ -197,7 +221,8 @@ class ModelDraft:
         if self.exit_layers is not None:
             stack.enter_context(early_exit(self.model, self.exit_layers))
         elif self.activation_bits is not None:
-            stack.enter_context(quantized_activations(self.model, self.activation_bits))
+            self.int8_linears = stack.enter_context(
+                quantized_activations(self.model, self.activation_bits, self.integer_activations))
         if self._head is not None:
             stack.enter_context(output_head(self.model, self._head))
         return stack
