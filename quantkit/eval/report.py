@@ -159,7 +159,7 @@ def _moe_markdown(report: dict) -> list[str]:
                    for name, m in rows for c in m["capacity"]])
     if any(m["offload"] for _, m in rows):
         out += ["### Expert offloading", ""]
-        cols = ("policy", "cache", "hit_rate", "prefetch_fidelity", "bytes_moved", "decode_tok_s")
+        cols = ("policy", "cache", "reads", "hit_rate", "prefetch_fidelity", "bytes_moved", "decode_tok_s")
         out += _table(["checkpoint", *cols], [[name, *(o.get(c) for c in cols)] for name, m in rows for o in m["offload"]])
     return out
 
@@ -177,9 +177,12 @@ def offload_figure(plt, offload: list[dict], title: str):
     fig, ax = plt.subplots(figsize=(6, 4))
     sized = [o for o in offload if o["cache"] is not None]
     caches = [o["cache"] for o in sized] or [0]
-    for policy in sorted({o["policy"] for o in sized}):
-        pts = sorted((o["cache"], o["hit_rate"]) for o in sized if o["policy"] == policy)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    def label(o):  # rows read from storage make the same decisions; they are told apart for their speed
+        return o["policy"] + (f" ({o['reads']})" if o.get("reads", "page-cache") != "page-cache" else "")
+
+    for name in sorted({label(o) for o in sized}):
+        pts = sorted((o["cache"], o["hit_rate"]) for o in sized if label(o) == name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
     for o in offload:
         if o["cache"] is None:  # every expert resident: no cache size, the hit rate over the whole range
             ax.plot([min(caches), max(caches)], [o["hit_rate"]] * 2, linestyle="--", color="grey", label=o["policy"])
@@ -375,7 +378,8 @@ def print_table(console, report: dict) -> None:
                           + (f", capacity 1.25 drop: max load -{100 * d['drop']['max_load_reduction']:.1f}% "
                              f"(KL {d['drop']['kl_change']:+.4g})" if "drop" in d else ""), highlight=False, soft_wrap=True)
             for o in m["offload"]:
-                console.print(f"  offload {o['policy']} cache {o['cache']}: hit rate {o['hit_rate']}, "
+                reads = f" from {o['reads']}" if o.get("reads") not in (None, "page-cache") else ""
+                console.print(f"  offload {o['policy']} cache {o['cache']}{reads}: hit rate {o['hit_rate']}, "
                               f"{o['decode_tok_s']} tok/s", highlight=False)
     for g in report["gates"]:
         mark = "[green]pass[/]" if g["passed"] else "[bold red]FAIL[/]"

@@ -23,6 +23,9 @@ GIL is free during a read); a request for an expert still in flight waits for it
 finished ones into the cache. A read in flight holds a slot: resident + in flight never exceed N. Without
 `overlap` the predicted experts load in the hook, before the attention.
 Hit rate counts demand requests only (a prefetched expert that is then used is a hit).
+`reads="storage"` drops the checkpoint from the OS page cache when offloading starts and every range a load reads
+after it, so each load reads the disk, as for a checkpoint larger than memory (the default, "page-cache", reads
+what the OS keeps in memory: a load is then a memory copy).
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS
 from quantkit.runtime.linear import QuantLinear, dense_parameter
 
 POLICIES = ("lru", "lfu", "trace")
+# Where a load's bytes come from: the OS page cache (a checkpoint that fits in memory, read before), or storage
+# (the bytes each load reads are dropped from the page cache after it, and the whole checkpoint when offloading
+# starts: every load reads the disk, as it does for a checkpoint larger than memory).
+READS = ("page-cache", "storage")
 
 
 @dataclass(frozen=True)
@@ -56,10 +63,15 @@ class OffloadOptions:
     overlap: bool = True  # prefetch loads on a background thread (False: in the hook, before the layer runs)
     trace_decay: float = 0.9  # trace policy: weight of a request after each further request in the layer
     profile_weight: float = 1.0  # trace policy: weight of the routing-profile frequency (scaled to requests)
+    reads: str = "page-cache"  # READS
 
     def check(self, num_experts: int, top_k: int) -> None:
         if self.policy not in POLICIES:
             raise InputError(f"unknown offload policy {self.policy!r}; valid: {', '.join(POLICIES)}")
+        if self.reads not in READS:
+            raise InputError(f"unknown offload read source {self.reads!r}; valid: {', '.join(READS)}")
+        if self.reads == "storage" and not hasattr(os, "posix_fadvise"):
+            raise InputError("--offload-reads storage needs posix_fadvise (Linux) to keep reads off the page cache")
         if not top_k <= self.cache_size <= num_experts:
             raise InputError(f"--offload-cache {self.cache_size} is outside the valid range {top_k}..{num_experts} "
                              f"(at least top-k = {top_k} experts must fit, at most all {num_experts})")
@@ -119,6 +131,7 @@ class ExpertCache:
         from quantkit.runtime.moe import moe_blocks
 
         self.opts = opts
+        self._cold = opts.reads == "storage"
         self._stats = OffloadStats()
         self._guesses: list[tuple[torch.Tensor, torch.Tensor]] = []  # (predicted, used) per layer step, scored late
         self.dtype = rt.dtype
@@ -176,6 +189,13 @@ class ExpertCache:
                 if self.prior[layer].sum() > 0:
                     for e in self.prior[layer].topk(opts.cache_size).indices.tolist():
                         self._load(layer, e, demand=False, count=False)
+        if self._cold:
+            for file in {info.file for info in index.tensors.values()}:
+                fd = os.open(file, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
         self._hooks = []
         if opts.prefetch:
             self._install_prefetch(rt)
@@ -213,7 +233,7 @@ class ExpertCache:
         """Read the expert's tensors into `module` on the calling thread (bytes read, seconds)."""
         start = time.perf_counter()
         reads, moved = self._targets(layer, expert, module)
-        _pread_all(reads)
+        _pread_all(reads, self._cold)
         return moved, time.perf_counter() - start
 
     def _targets(self, layer: int, expert: int, module: nn.Module) -> tuple[list[tuple], int]:
@@ -412,7 +432,7 @@ class ExpertCache:
                         self.pending[layer][e] = (module, batch, moved)  # holds its slot from now on
                         jobs += reads
                 if jobs:
-                    self._pool.submit(_timed_reads, jobs, batch)  # one job per layer: the thread only reads
+                    self._pool.submit(_timed_reads, jobs, batch, self._cold)  # one job per layer: the thread only reads
                 else:
                     batch.set_result(0.0)  # nothing to read there (converted tensors were read in place)
 
@@ -440,21 +460,22 @@ class ExpertCache:
         self._fds.clear()
 
 
-def _timed_reads(reads: list[tuple], future: Future) -> None:
+def _timed_reads(reads: list[tuple], future: Future, cold: bool = False) -> None:
     """Run the reads and settle `future` with their seconds (or their error, raised where it is collected)."""
     start = time.perf_counter()
     try:
-        _pread_all(reads)
+        _pread_all(reads, cold)
     except BaseException as exc:  # noqa: BLE001 - handed to the decoding thread
         future.set_exception(exc)
         return
     future.set_result(time.perf_counter() - start)
 
 
-def _pread_all(reads: list[tuple]) -> None:
+def _pread_all(reads: list[tuple], cold: bool = False) -> None:
     """Positioned reads straight into the destinations' bytes. Tensors that lie back to back in a file are read
     by one scattering call: the GIL is free while a call copies, and each call's return takes it back from the
-    decoding thread, which is what a prefetch thread costs the decode here."""
+    decoding thread, which is what a prefetch thread costs the decode here. `cold`: each range read is dropped from
+    the page cache afterwards, so its next read comes from storage again."""
     runs: list[list] = []
     for fd, view, offset, ckpt in sorted(reads, key=lambda r: (r[0], r[2])):
         last = runs[-1] if runs else None
@@ -465,17 +486,18 @@ def _pread_all(reads: list[tuple]) -> None:
             runs.append([fd, offset, len(view), [view], ckpt])
     for fd, offset, size, views, ckpt in runs:
         got = os.preadv(fd, views, offset)
-        if got == size:
-            continue
-        for view in views:  # a short read: finish it buffer by buffer
+        at = offset
+        for view in views if got != size else ():  # a short read: finish it buffer by buffer
             done = max(0, min(len(view), got))
             got -= len(view)
             while done < len(view):
-                n = os.preadv(fd, [view[done:]], offset + done)
+                n = os.preadv(fd, [view[done:]], at + done)
                 if n <= 0:
                     raise InputError(f"truncated safetensors file: cannot read {ckpt}")
                 done += n
-            offset += len(view)
+            at += len(view)
+        if cold:
+            os.posix_fadvise(fd, offset, size, os.POSIX_FADV_DONTNEED)
 
 
 def folded_router(block, norm: nn.Module) -> torch.Tensor | None:

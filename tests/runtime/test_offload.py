@@ -96,9 +96,9 @@ def test_draft_prefetch_predicts_and_raises_the_hit_rate(tiny_models, overlap, m
     rates, threads = {}, set()
     reads = offload._pread_all
 
-    def spy(jobs):
+    def spy(jobs, cold=False):
         threads.add(threading.current_thread().name.split("_")[0])
-        return reads(jobs)
+        return reads(jobs, cold)
 
     monkeypatch.setattr(offload, "_pread_all", spy)
     for prefetch in (False, True):
@@ -122,6 +122,46 @@ def test_draft_prefetch_predicts_and_raises_the_hit_rate(tiny_models, overlap, m
     assert rates[True]["hit_rate"] > rates[False]["hit_rate"]
     # Overlapped prefetch reads experts on its own thread; synchronous prefetch never leaves the caller's.
     assert ("quantkit-prefetch" in threads) == overlap
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_storage_reads_drop_every_range_they_read_from_the_page_cache(quantised, prefetch, monkeypatch):
+    """reads="storage": the checkpoint is dropped from the page cache when offloading starts, and every byte range a
+    load reads is dropped after it (so its next read comes from storage); the logits stay the resident model's."""
+    import os
+
+    from quantkit.runtime import offload
+
+    resident, _ = greedy_decode(load_model(quantised), PROMPT, 12)
+    dropped, read = [], []
+    fadvise, preadv = os.posix_fadvise, os.preadv
+
+    def drop(fd, offset, length, advice):
+        dropped.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
+        return fadvise(fd, offset, length, advice)
+
+    def spy_read(fd, views, offset):
+        got = preadv(fd, views, offset)
+        read.append((os.readlink(f"/proc/self/fd/{fd}"), offset, got))
+        return got
+
+    monkeypatch.setattr(offload.os, "posix_fadvise", drop)
+    monkeypatch.setattr(offload.os, "preadv", spy_read)
+    rt = load_model(quantised)
+    cache = install_offload(rt, OffloadOptions(2, "lru", prefetch, reads="storage"))
+    assert any(length == 0 and offset == 0 for _, offset, length, _ in dropped)  # the whole file, at the start
+    logits, _ = greedy_decode(rt, PROMPT, 12)
+    cache.remove()
+    assert torch.equal(logits, resident)
+    assert read and all(a == os.POSIX_FADV_DONTNEED for *_, a in dropped)
+    for file, offset, got in read:
+        assert any(f == file and o <= offset and offset + got <= o + n for f, o, n, _ in dropped if n), (offset, got)
+
+
+def test_an_unknown_read_source_is_refused(tiny_models):
+    rt = load_model(tiny_models["qwen3_moe"])
+    with pytest.raises(InputError, match="page-cache, storage"):
+        install_offload(rt, OffloadOptions(2, "lru", reads="disk"))
 
 
 def test_offloaded_quantised_experts_give_back_their_kernel_tensors(quantised):

@@ -45,6 +45,7 @@ class MoEEvalOptions:
     bias_step_tokens: int = 16
     samples: int = 8  # token blocks for drift, capacity and bias runs (the first ones of the eval set)
     offload_cache: tuple[int, ...] = ()  # cache sizes (experts per layer) for the offload runs; () = E/2
+    offload_reads: tuple[str, ...] = ("page-cache",)  # where offloaded experts are read from (runtime.offload.READS)
     # (policy, prefetch): "" none, "overlap" on the background thread, "sync" in the hook before the layer
     offload_runs: tuple[tuple[str, str], ...] = (("lru", ""), ("lfu", ""), ("trace", ""), ("lru", "overlap"),
                                                  ("lru", "sync"), ("trace", "overlap"))
@@ -64,6 +65,11 @@ class MoEEvalOptions:
             raise InputError("--moe-samples must be at least 1")
         if self.decode_repeats < 1:
             raise InputError("offload decode repeats must be at least 1")
+        from quantkit.runtime.offload import READS
+
+        bad = [r for r in self.offload_reads if r not in READS]
+        if bad or not self.offload_reads:
+            raise InputError(f"unknown --offload-reads {bad[0] if bad else ''!r}; valid: {', '.join(READS)}")
         if num_experts is not None:
             for n in self.offload_cache:
                 if not top_k <= n <= num_experts:

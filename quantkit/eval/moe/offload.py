@@ -43,7 +43,8 @@ def offload_runs(path, prompt: torch.Tensor, sizes, opts: MoEEvalOptions, dtype,
     from quantkit.runtime.offload import OffloadOptions, install_offload
 
     profile = read_profile(path)
-    plan = [(size, policy, prefetch) for size in sizes for policy, prefetch in opts.offload_runs]
+    plan = [(size, policy, prefetch, reads) for size in sizes for reads in opts.offload_reads
+            for policy, prefetch in opts.offload_runs]
     seconds: dict[int, list[float]] = {i: [] for i in range(-1, len(plan))}
     rows: dict[int, dict] = {}
     ref = None
@@ -53,16 +54,16 @@ def offload_runs(path, prompt: torch.Tensor, sizes, opts: MoEEvalOptions, dtype,
         ref = logits if ref is None else ref
         seconds[-1].append(secs)
         del resident
-        for i, (size, policy, prefetch) in enumerate(plan):
+        for i, (size, policy, prefetch, reads) in enumerate(plan):
             rt = load_model(path, dtype, device)
-            cache = install_offload(rt, OffloadOptions(size, policy, bool(prefetch), overlap=prefetch != "sync"),
-                                    profile)
+            cache = install_offload(rt, OffloadOptions(size, policy, bool(prefetch), overlap=prefetch != "sync",
+                                                       reads=reads), profile)
             logits, secs = greedy_decode(rt, prompt, opts.decode_tokens, on_prefill=cache.reset_stats)
             seconds[i].append(secs)
             st = cache.stats.to_dict()
             name = policy + {"": "", "overlap": "+prefetch", "sync": "+prefetch-sync"}[prefetch]
             exact = bool(torch.equal(logits, ref)) and rows.get(i, {}).get("exact", True)
-            rows[i] = {"policy": name, "prefetch": prefetch or None, "cache": size,
+            rows[i] = {"policy": name, "prefetch": prefetch or None, "cache": size, "reads": reads,
                        "hit_rate": st["hit_rate"], "prefetch_fidelity": st["prefetch_fidelity"],
                        "bytes_moved": st["bytes_moved"], "demand_loads": st["demand_loads"],
                        "prefetch_loads": st["prefetch_loads"], "requests": st["requests"],
@@ -76,6 +77,6 @@ def offload_runs(path, prompt: torch.Tensor, sizes, opts: MoEEvalOptions, dtype,
     def each(i: int) -> list[float]:
         return [round(opts.decode_tokens / s, 2) for s in seconds[i]]
 
-    out = [{"policy": "resident", "prefetch": None, "cache": None, "hit_rate": 1.0, "prefetch_fidelity": None,
+    out = [{"policy": "resident", "prefetch": None, "cache": None, "reads": None, "hit_rate": 1.0, "prefetch_fidelity": None,
             "bytes_moved": 0, "decode_tok_s": speed(-1), "decode_tok_s_each": each(-1), "exact": True}]
     return out + [{**rows[i], "decode_tok_s": speed(i), "decode_tok_s_each": each(i)} for i in range(len(plan))]
