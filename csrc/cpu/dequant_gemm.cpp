@@ -242,6 +242,8 @@ void dequant_row(const Layout& L, int64_t n, float* out) {
 // 32-bit lane is one row's 4 consecutive columns and x's 4 matching bytes are broadcast to every lane. An 8-bit
 // tile holds 4 columns per 64-byte step (byte 4j + t: u[j, 4s + t], u = q + 128), the same lanes.
 // Scales come per tile and group as 16 consecutive fp32 values, so per-block scaling is one vector op.
+// dot_linear_codes takes x as per-token int8 codes instead (hi = the code, lo = 0): the kernels then skip the lo
+// half's multiply-adds.
 
 constexpr int TILE = 16;
 

@@ -69,7 +69,11 @@ class MLAOptions:
     expected_phase: bool = True  # NoPE'd components keep RoPE's mean phase under the attention pattern
     refine_steps: int = 100  # Adam steps per layer fitting the MLA attention output to the source's (0: closed form)
     refine_lr: float = 5e-3  # relative to each tensor's RMS (1e-2: held-out KL 0.063 instead of 0.044 on SmolLM2, README)
-    refine_batch: int = 1  # calibration sequences per Adam step (4: the held-out KL of 10 minutes instead of 3)
+    # Calibration sequences per Adam step, and the positions of each that a step's loss reads (0: all). The keys of
+    # every position are computed either way, so 128 queries of two sequences cost about one whole sequence (SmolLM2:
+    # held-out KL 0.0385 in 186 s against 0.0436 in 198 s; 128 x 4: 0.0357 in 287 s; benchmarks/results/mla_defaults.md).
+    refine_batch: int = 2
+    refine_queries: int = 128
     # The source layers' forward passes (quantkit.compute: auto = the faster of bf16 and fp32 here); the
     # statistics (float64) and the refinement (float32) keep their own precision.
     compute_dtype: str = "auto"
@@ -287,23 +291,31 @@ def convert_attention(w: AttentionWeights, cov_x: torch.Tensor, mean_x: torch.Te
 
 def mla_attention(x: torch.Tensor, q_proj: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor,
                   kv_b: torch.Tensor, o_proj: torch.Tensor, dims: MLADims, cos: torch.Tensor,
-                  sin: torch.Tensor) -> torch.Tensor:
+                  sin: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor:
     """DeepSeek-V3 attention output for x [B, L, H] with the latent norm in its linear regime (identity on
-    `latent` x); differentiable, in x's dtype. cos/sin [L, rope_dim/2] for DeepSeek's interleaved RoPE."""
+    `latent` x); differentiable, in x's dtype. cos/sin [L, rope_dim/2] for DeepSeek's interleaved RoPE.
+    `queries` (ascending positions): only those positions' outputs [B, len(queries), H], each over the keys up to
+    it; None: every position."""
     b, L, _ = x.shape
     nh, hd, dr = dims.n_heads, dims.head_dim, dims.rope_dim
 
-    def rope(t):
+    def rope(t, c, s):
         t1, t2 = t[..., 0::2], t[..., 1::2]
-        return torch.stack([t1 * cos - t2 * sin, t2 * cos + t1 * sin], -1).flatten(-2)
+        return torch.stack([t1 * c - t2 * s, t2 * c + t1 * s], -1).flatten(-2)
 
-    q = (x @ q_proj.T).view(b, L, nh, hd + dr).transpose(1, 2)
+    xq, cq, sq, mask = x, cos, sin, None
+    if queries is not None:
+        xq, cq, sq = x[:, queries], cos[queries], sin[queries]
+        mask = queries[:, None] >= torch.arange(L, device=x.device)[None]
+    lq = xq.shape[1]
+    q = (xq @ q_proj.T).view(b, lq, nh, hd + dr).transpose(1, 2)
     kv = ((x @ latent.T) @ kv_b.T).view(b, L, nh, 2 * hd).transpose(1, 2)
-    k_rope = rope(x @ rope_key.T)[:, None].expand(b, nh, L, dr)
-    q = torch.cat([q[..., :hd], rope(q[..., hd:])], -1)
+    k_rope = rope(x @ rope_key.T, cos, sin)[:, None].expand(b, nh, L, dr)
+    q = torch.cat([q[..., :hd], rope(q[..., hd:], cq, sq)], -1)
     k = torch.cat([kv[..., :hd], k_rope], -1)
-    out = nn.functional.scaled_dot_product_attention(q, k, kv[..., hd:], is_causal=True, scale=(hd + dr) ** -0.5)
-    return out.transpose(1, 2).reshape(b, L, nh * hd) @ o_proj.T
+    out = nn.functional.scaled_dot_product_attention(q, k, kv[..., hd:], attn_mask=mask, is_causal=mask is None,
+                                                     scale=(hd + dr) ** -0.5)
+    return out.transpose(1, 2).reshape(b, lq, nh * hd) @ o_proj.T
 
 
 CHECK_EVERY, PATIENCE, MIN_GAIN, MIN_STEPS = 10, 3, 0.01, 60  # refinement early stopping (see refine_attention)
@@ -312,7 +324,7 @@ LR_DECAY = 0.9  # the refinement's step size falls linearly to a tenth over its 
 
 def refine_attention(new: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor, dims: MLADims,
                      steps: int, lr: float, seed: int = 0, floor: float = 0.0,
-                     batch: int = 1) -> tuple[dict[str, torch.Tensor], dict]:
+                     batch: int = 1, queries: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
     """Fit q_proj, the latent, the RoPE key and kv_b_proj (o_proj fixed) so the MLA attention output on x
     [N, L, H] matches the source layer's attention output `target` (mean squared error), starting from the
     closed-form conversion `new`. The last eighth of the sequences is held out; the refined tensors are kept
@@ -320,6 +332,8 @@ def refine_attention(new: dict[str, torch.Tensor], x: torch.Tensor, target: torc
     its own rounding (the source forward's dtype): below it a fit learns that rounding, not the layer, and moves an
     exact closed form away from the source. A closed form already within `floor` is kept without steps.
     Up to `steps` Adam steps, stopped early once the held-out error stops improving (the best parameters kept).
+    `queries` > 0: each step's loss reads that many random positions of each sequence (every key still computed
+    for them), a step costing a fraction of a whole sequence's.
     Returns (tensors, {"before", "after"} relative held-out errors and the steps taken)."""
     r = dims.kv_lora_rank
     f32 = torch.float32
@@ -361,9 +375,13 @@ def refine_attention(new: dict[str, torch.Tensor], x: torch.Tensor, target: torc
     with torch.enable_grad():
         for step in range(steps):
             idx = torch.randperm(x_fit.shape[0], generator=gen)[:batch]
+            pos = None
+            if 0 < queries < L:
+                pos = torch.randperm(L, generator=gen)[:queries].sort().values
             out = mla_attention(x_fit[idx], trained["q"], trained["latent"], trained["rope"], trained["kv_b"],
-                                o_proj, dims, cos, sin)
-            loss = (out - t_fit[idx]).pow(2).mean() / norm
+                                o_proj, dims, cos, sin, pos)
+            ts = t_fit[idx] if pos is None else t_fit[idx][:, pos]
+            loss = (out - ts).pow(2).mean() / norm
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -628,7 +646,7 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
                 hook.remove()
                 new, refine_report = refine_attention(new, torch.cat(normed), torch.cat(outputs).float() * alpha, dims,
                                                       opts.refine_steps, opts.refine_lr, seed, target_floor,
-                                                      opts.refine_batch)
+                                                      opts.refine_batch, opts.refine_queries)
                 del outputs
             else:
                 next_hidden = None

@@ -109,8 +109,13 @@ def test_mla_attention_is_what_transformers_deepseek_v3_computes(tiny, tmp_path)
     with torch.no_grad():
         got = mla_attention(seen["x"], attn.q_proj.weight, kv_a[:r] / small, kv_a[r:], attn.kv_b_proj.weight,
                             attn.o_proj.weight, dims, ang.cos(), ang.sin())
+        # The refinement's subsampled queries: the same positions' outputs of the whole-sequence forward.
+        positions = torch.tensor([0, 3, 17, 18, 39])
+        some = mla_attention(seen["x"], attn.q_proj.weight, kv_a[:r] / small, kv_a[r:], attn.kv_b_proj.weight,
+                             attn.o_proj.weight, dims, ang.cos(), ang.sin(), positions)
     # the only difference allowed is the latent norm's linear-regime approximation (~1e-5 relative)
     assert (got - seen["out"]).abs().max() < 1e-4 * seen["out"].abs().max()
+    assert (some - seen["out"][:, positions]).abs().max() < 1e-4 * seen["out"].abs().max()
 
 
 def test_refinement_lowers_held_out_kl(tiny, tmp_path):

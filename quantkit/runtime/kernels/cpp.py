@@ -7,6 +7,10 @@ per tile; decode-sized batches (up to GEMV_MAX_ROWS rows) run an integer-dot GEM
 in 16-bit block fixed point (see the source: error <= absmax * 2^-16 per element, far below bf16's own);
 larger batches take the dense path below.
 
+Both integer-dot kernels also take x already quantised per token to int8 (`run_int8_tokens`: QSPEC's W4A8 draft
+pass on a W4A16 target): the codes themselves go into the products, one multiply-add per weight byte instead of the
+16-bit fixed point's two, for any number of rows.
+
 `cpu-int8dot` is the same GEMV on 8-bit codes (W8A16, and W8A8 after the reference's activation fake-quant), 4
 columns per 64-byte tile step (AVX512-VNNI, or AVX2 with 16-bit x). `cpu-fp8dot` serves e4m3 weights on bf16
 activations through AVX512-BF16 dot products on 16-row tiles of the weight bytes (each e4m3 value is a bf16, so
