@@ -71,11 +71,12 @@ class MLAOptions:
     refine_lr: float = 5e-3  # relative to each tensor's RMS (1e-2: held-out KL 0.063 instead of 0.044 on SmolLM2, README)
     # Calibration sequences per Adam step, and the positions of each that a step's loss reads (0: all). The keys of
     # every position are computed either way, so 128 queries of two sequences cost about one whole sequence (SmolLM2:
-    # held-out KL 0.0385 in 186 s against 0.0436 in 198 s; 128 x 4: 0.0357 in 287 s; benchmarks/results/mla_defaults.md).
+    # held-out KL 0.0385 in 186 s against 0.0436 in 198 s, fp32; 128 x 4: 0.0357 in 287 s; results/mla_defaults.md).
     refine_batch: int = 2
     refine_queries: int = 128
     # The source layers' forward passes (quantkit.compute: auto = the faster of bf16 and fp32 here); the
-    # statistics (float64) and the refinement (float32) keep their own precision.
+    # statistics stay float64, and the refinement keeps fp32 parameters, its matmuls under bf16 autocast where the
+    # forward runs bf16.
     compute_dtype: str = "auto"
 
 
@@ -318,22 +319,35 @@ def mla_attention(x: torch.Tensor, q_proj: torch.Tensor, latent: torch.Tensor, r
     return out.transpose(1, 2).reshape(b, lq, nh * hd) @ o_proj.T
 
 
+@dataclass(frozen=True)
+class RefineOptions:
+    """One layer's refinement (see refine_attention and MLAOptions' refine_* fields)."""
+
+    steps: int
+    lr: float
+    batch: int = 2
+    queries: int = 128
+    bf16: bool = False  # the forward and backward under bf16 autocast (the parameters, Adam and the loss stay fp32)
+    seed: int = 0
+    floor: float = 0.0
+
+
 CHECK_EVERY, PATIENCE, MIN_GAIN, MIN_STEPS = 10, 3, 0.01, 60  # refinement early stopping (see refine_attention)
 LR_DECAY = 0.9  # the refinement's step size falls linearly to a tenth over its steps
 
 
 def refine_attention(new: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor, dims: MLADims,
-                     steps: int, lr: float, seed: int = 0, floor: float = 0.0,
-                     batch: int = 1, queries: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
+                     opts: RefineOptions) -> tuple[dict[str, torch.Tensor], dict]:
     """Fit q_proj, the latent, the RoPE key and kv_b_proj (o_proj fixed) so the MLA attention output on x
     [N, L, H] matches the source layer's attention output `target` (mean squared error), starting from the
     closed-form conversion `new`. The last eighth of the sequences is held out; the refined tensors are kept
-    only if they lower the held-out error by more than `floor`, the relative squared error the target carries from
+    only if they lower the held-out error by more than `opts.floor`, the relative squared error the target carries from
     its own rounding (the source forward's dtype): below it a fit learns that rounding, not the layer, and moves an
     exact closed form away from the source. A closed form already within `floor` is kept without steps.
-    Up to `steps` Adam steps, stopped early once the held-out error stops improving (the best parameters kept).
-    `queries` > 0: each step's loss reads that many random positions of each sequence (every key still computed
-    for them), a step costing a fraction of a whole sequence's.
+    Up to `opts.steps` Adam steps over `opts.batch` sequences each, stopped early once the held-out error stops
+    improving (the best parameters kept). `opts.queries` > 0: each step's loss reads that many random positions of
+    each sequence (every key still computed for them), a step costing a fraction of a whole sequence's. `opts.bf16`:
+    the steps' matmuls under bf16 autocast (SmolLM2: 17% faster, the same held-out KL).
     Returns (tensors, {"before", "after"} relative held-out errors and the steps taken)."""
     r = dims.kv_lora_rank
     f32 = torch.float32
@@ -357,16 +371,17 @@ def refine_attention(new: dict[str, torch.Tensor], x: torch.Tensor, target: torc
             return float((out - ts).pow(2).sum() / ts.pow(2).sum())
 
     before = rel_error(params, x_val, t_val)
+    steps, floor = opts.steps, opts.floor
     if before <= floor:
         return new, {"before": round(before, 6), "after": round(before, 6), "skipped": "closed form at the target's precision"}
     trained = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    opt = torch.optim.Adam([{"params": [p], "lr": lr * float(p.detach().pow(2).mean().sqrt())}
+    opt = torch.optim.Adam([{"params": [p], "lr": opts.lr * float(p.detach().pow(2).mean().sqrt())}
                             for p in trained.values()])
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(opts.seed)
     norm = t_fit.pow(2).mean()
-    # `batch` sequences per step (default 1: a step over four 512-token sequences costs 5-10x as much on 2 cores,
-    # SDPA's backward then leaving the caches). The step size decays linearly to a tenth, which takes the
-    # single-sequence noise out of the last steps (constant: held-out KL 0.086 instead of 0.063 on SmolLM2). The
+    # Few sequences per step (a step over four whole 512-token sequences costs 5-10x one on 2 cores, SDPA's backward
+    # then leaving the caches). The step size decays linearly to a tenth, which takes the
+    # small batches' noise out of the last steps (constant: held-out KL 0.086 instead of 0.063 on SmolLM2). The
     # held-out error is checked every CHECK_EVERY steps; the best parameters seen are kept, and from MIN_STEPS on
     # the fit stops once PATIENCE checks in a row improved it by less than MIN_GAIN (relative): Adam's first steps
     # often raise the error before they lower it.
@@ -374,12 +389,14 @@ def refine_attention(new: dict[str, torch.Tensor], x: torch.Tensor, target: torc
     best_err, best, stale, taken = before, None, 0, 0
     with torch.enable_grad():
         for step in range(steps):
-            idx = torch.randperm(x_fit.shape[0], generator=gen)[:batch]
+            idx = torch.randperm(x_fit.shape[0], generator=gen)[:opts.batch]
             pos = None
-            if 0 < queries < L:
-                pos = torch.randperm(L, generator=gen)[:queries].sort().values
-            out = mla_attention(x_fit[idx], trained["q"], trained["latent"], trained["rope"], trained["kv_b"],
-                                o_proj, dims, cos, sin, pos)
+            if 0 < opts.queries < L:
+                pos = torch.randperm(L, generator=gen)[:opts.queries].sort().values
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=opts.bf16):
+                out = mla_attention(x_fit[idx], trained["q"], trained["latent"], trained["rope"], trained["kv_b"],
+                                    o_proj, dims, cos, sin, pos)
+            out = out.float()
             ts = t_fit[idx] if pos is None else t_fit[idx][:, pos]
             loss = (out - ts).pow(2).mean() / norm
             opt.zero_grad(set_to_none=True)
@@ -644,9 +661,11 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
                 with torch.no_grad(), forward():
                     next_hidden = [run_layer(layer, h, calls[j][i]) for j, h in enumerate(hidden)]
                 hook.remove()
+                refine = RefineOptions(opts.refine_steps, opts.refine_lr, opts.refine_batch, opts.refine_queries,
+                                       bf16=compute.autocast or compute.dtype == torch.bfloat16, seed=seed,
+                                       floor=target_floor)
                 new, refine_report = refine_attention(new, torch.cat(normed), torch.cat(outputs).float() * alpha, dims,
-                                                      opts.refine_steps, opts.refine_lr, seed, target_floor,
-                                                      opts.refine_batch, opts.refine_queries)
+                                                      refine)
                 del outputs
             else:
                 next_hidden = None
