@@ -57,8 +57,8 @@ def main() -> None:
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         each = ", ".join(f"{v:.1f}" for v in r.get("decode_tok_s_each", []))
-        lines.append(f"| {r['policy']} | {r.get('reads') or '-'} | {r['hit_rate']} | {r.get('prefetch_fidelity') or '-'} | "
-                     f"{r['decode_tok_s']} | {each} | {r['exact']} |")
+        lines.append(f"| {r['policy']} | {r.get('reads') or '-'} | {r['hit_rate']} | "
+                     f"{r.get('prefetch_fidelity') or '-'} | {r['decode_tok_s']} | {each} | {r['exact']} |")
     lines.append("")
     for reads in args.reads.split(","):
         by = {r["policy"]: r for r in rows if r.get("reads") == reads}

@@ -177,6 +177,7 @@ def offload_figure(plt, offload: list[dict], title: str):
     fig, ax = plt.subplots(figsize=(6, 4))
     sized = [o for o in offload if o["cache"] is not None]
     caches = [o["cache"] for o in sized] or [0]
+
     def label(o):  # rows read from storage make the same decisions; they are told apart for their speed
         return o["policy"] + (f" ({o['reads']})" if o.get("reads", "page-cache") != "page-cache" else "")
 

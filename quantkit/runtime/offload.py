@@ -49,10 +49,7 @@ from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS
 from quantkit.runtime.linear import QuantLinear, dense_parameter
 
 POLICIES = ("lru", "lfu", "trace")
-# Where a load's bytes come from: the OS page cache (a checkpoint that fits in memory, read before), or storage
-# (the bytes each load reads are dropped from the page cache after it, and the whole checkpoint when offloading
-# starts: every load reads the disk, as it does for a checkpoint larger than memory).
-READS = ("page-cache", "storage")
+READS = ("page-cache", "storage")  # where a load's bytes come from (the module docstring's last paragraph)
 
 
 @dataclass(frozen=True)

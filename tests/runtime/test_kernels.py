@@ -432,8 +432,10 @@ def test_int8_token_codes_product_is_the_exact_w4a8_product(case, monkeypatch):
     isas = [cpp.ISA_SCALAR, cpp.ISA_AVX2] + ([cpp.ISA_VNNI512] if cpp.extension().has_vnni() else [])
     w = reference.dequantize_weight(twin, torch.float64)
     zp = reference.zero_point(twin)
-    z = torch.zeros_like(w) if zp is None else (reference._expand(zp, twin, twin.fmt.weights).double()
-                                                 * reference._expand(twin.weight_scale.double(), twin, twin.fmt.weights))
+    z = torch.zeros_like(w)
+    if zp is not None:
+        w_args = twin.fmt.weights
+        z = reference._expand(zp, twin, w_args).double() * reference._expand(twin.weight_scale.double(), twin, w_args)
     gen = torch.Generator().manual_seed(7)
     for m in (1, 2, 3, 5, 8, 9, 16, 33):
         x = torch.randn(m, layer.in_features, generator=gen) * torch.linspace(0.1, 4.0, layer.in_features)

@@ -124,6 +124,7 @@ def test_draft_prefetch_predicts_and_raises_the_hit_rate(tiny_models, overlap, m
     assert ("quantkit-prefetch" in threads) == overlap
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise"), reason="posix_fadvise is Linux's")
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_storage_reads_drop_every_range_they_read_from_the_page_cache(quantised, prefetch, monkeypatch):
     """reads="storage": the checkpoint is dropped from the page cache when offloading starts, and every byte range a

@@ -159,7 +159,7 @@ def w4a16_runtime(tmp_path_factory):
 
 def test_qspec_w4a8_draft_runs_on_int8_codes_and_computes_w4a8(w4a16_runtime, monkeypatch):
     """self:W4A8 on a W4A16 target: every integer-dot linear takes the int8 codes (the product itself is checked
-    exactly in test_kernels), the others are fake-quantised, everything is restored afterwards, and greedy
+    exactly in test_kernels), and only those; everything is restored afterwards, and greedy
     speculation with the draft still equals plain greedy decoding."""
     from quantkit.runtime.kernels.cpp import IntDotKernel
     from quantkit.runtime.linear import QuantLinear

@@ -77,6 +77,7 @@ def offload_runs(path, prompt: torch.Tensor, sizes, opts: MoEEvalOptions, dtype,
     def each(i: int) -> list[float]:
         return [round(opts.decode_tokens / s, 2) for s in seconds[i]]
 
-    out = [{"policy": "resident", "prefetch": None, "cache": None, "reads": None, "hit_rate": 1.0, "prefetch_fidelity": None,
-            "bytes_moved": 0, "decode_tok_s": speed(-1), "decode_tok_s_each": each(-1), "exact": True}]
+    out = [{"policy": "resident", "prefetch": None, "cache": None, "reads": None, "hit_rate": 1.0,
+            "prefetch_fidelity": None, "bytes_moved": 0, "decode_tok_s": speed(-1), "decode_tok_s_each": each(-1),
+            "exact": True}]
     return out + [{**rows[i], "decode_tok_s": speed(i), "decode_tok_s_each": each(i)} for i in range(len(plan))]
