@@ -28,23 +28,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench_speculative import quantize
 from common import ROOT, machine_line, prepare_run, write_results
 
-QK = str(ROOT / ".venv" / "bin" / "quantkit")
 BATCHES = (1, 8, 32)
-
-
-def checkpoint(model: Path, out: Path, samples: int) -> Path:
-    if not (out / "config.json").is_file():
-        subprocess.run([QK, "quantize", "--model", str(model), "--method", "gptq", "--scheme", "W4A16",
-                        "--group-size", "64", "--num-samples", str(samples), "--output", str(out), "--overwrite",
-                        "--json"], check=True, capture_output=True, env={**os.environ, "QUANTKIT_NO_PROGRESS": "1"})
-    return out
 
 
 def _median_us(fns: dict, repeats: int, around: dict | None = None) -> dict[str, float]:
@@ -230,7 +221,7 @@ def main() -> None:
     from quantkit.runtime import load_model
 
     load = {"before": os.getloadavg()[0]}
-    ckpt = checkpoint(model, args.work / "w4a16-gptq", args.calib_samples)
+    ckpt = quantize(model, "gptq", args.work / "w4a16-gptq", args.calib_samples)
     rt = load_model(ckpt, torch.bfloat16, "cpu")
     prompts = load_prompts("builtin", tok)
     kjv = prompts[:32]
