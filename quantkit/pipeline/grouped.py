@@ -116,7 +116,10 @@ class GroupedPass:
     def __init__(self, groups: list[list[str]], apply_group: Callable[[list[str]], None]):
         self.groups = groups
         self.apply_group = apply_group
-        self._cond = threading.Condition()
+        # One lock; each batch waits on a condition of its own over it, so a handover wakes only the batch whose
+        # turn it is instead of every paused thread (each would take the lock and the GIL to re-check).
+        self._lock = threading.Lock()
+        self._conds: dict[int, threading.Condition] = {}
         self._local = threading.local()
         self._turn: int | None = None
         self._alive: list[int] = []
@@ -144,13 +147,14 @@ class GroupedPass:
         grad, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")
         autocast_dtype = torch.get_autocast_dtype("cpu")
         self._alive = list(batches)
+        self._conds = {j: threading.Condition(self._lock) for j in batches}
         self._turn = batches[0] if batches else None
 
         def worker(j: int) -> None:
             self._local.batch = j
             try:
-                with self._cond:
-                    self._cond.wait_for(lambda: self._error is not None or self._turn == j)
+                with self._lock:
+                    self._conds[j].wait_for(lambda: self._error is not None or self._turn == j)
                     if self._error is not None:
                         return
                 with ExitStack() as stack:  # grad mode and autocast are per thread
@@ -160,21 +164,17 @@ class GroupedPass:
             except Cancelled:
                 return
             except BaseException as exc:  # handed to the caller's thread
-                with self._cond:
-                    if self._error is None:
-                        self._error = exc
-                    self._cond.notify_all()
+                with self._lock:
+                    self._fail(exc)
                 return
-            with self._cond:
+            with self._lock:
                 try:
                     if on_done is None:
                         outputs[j] = out
                     else:
                         on_done(j, out)
                 except BaseException as exc:
-                    if self._error is None:
-                        self._error = exc
-                    self._cond.notify_all()
+                    self._fail(exc)
                     return
                 self._alive.remove(j)
                 self._handover(j)
@@ -197,13 +197,13 @@ class GroupedPass:
         return [self._inputs[b] for b, i in self._waiting.items() if i == index]
 
     def _arrive(self, batch: int, index: int, x: torch.Tensor) -> None:
-        with self._cond:
+        with self._lock:
             if index in self._done:
                 return
             self._waiting[batch] = index
             self._inputs[batch] = x
             self._handover(batch)
-            self._cond.wait_for(lambda: self._error is not None or (self._turn == batch and index in self._done))
+            self._conds[batch].wait_for(lambda: self._error is not None or (self._turn == batch and index in self._done))
             del self._waiting[batch], self._inputs[batch]
             if self._error is not None:
                 raise Cancelled
@@ -220,6 +220,15 @@ class GroupedPass:
                     self.apply_group(self.groups[index])
                     self._done.add(index)
             except BaseException as exc:
-                self._error = exc
+                self._fail(exc)
+                return
             self._turn = self._alive[0]
-        self._cond.notify_all()
+        if self._turn in self._conds:
+            self._conds[self._turn].notify()
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record the first error (lock held) and wake every batch, so each unwinds."""
+        if self._error is None:
+            self._error = exc
+        for cond in self._conds.values():
+            cond.notify()
