@@ -55,10 +55,10 @@ def frequency_rotations(keys: torch.Tensor, cov_x: torch.Tensor, use_complex: bo
 
 
 def apply_rope_half(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama RoPE on [..., seq, head_dim] (half-split layout), float64 reference."""
+    """Llama RoPE on [..., seq, head_dim] (half-split layout) in x's dtype, the angles taken in float64."""
     d = x.shape[-1]
     ang = positions.to(torch.float64)[:, None] * inv_frequencies(d, theta)[None, :]
-    cos, sin = torch.cos(ang), torch.sin(ang)
+    cos, sin = torch.cos(ang).to(x.dtype), torch.sin(ang).to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
