@@ -70,6 +70,7 @@ def main() -> None:
                             "--recipe", "gptq", "--scheme", "W4A16", "--group-size", str(args.group_size),
                             "--output", str(out), "--tokens", str(calib_file)])
         runs["llm-compressor gptq"] = {**res, "out": out}
+    floor = forward_floor(model, args.calib_samples, args.seq_len)
     for name, run in runs.items():
         run["eval"] = {k: kl_plain(model, run["out"], f) for k, f in eval_files.items()}
 
@@ -96,10 +97,31 @@ def main() -> None:
         md += ["", f"quantkit / llm-compressor: wall {ratio(qk['wall_s'], lc['wall_s'])}, "
                f"peak RSS {ratio(qk['peak_rss_bytes'], lc['peak_rss_bytes'])}, "
                f"KJV KL {ratio(qk['eval'][HELDOUT_KJV]['kl_mean'], lc['eval'][HELDOUT_KJV]['kl_mean'])}"]
+    if floor:
+        lc_wall = runs.get("llm-compressor gptq", {}).get("wall_s")
+        md.append("")
+        md.append("Floor (`bench_forward_floor.py`, same run: transformers' decoder forward over the calibration tokens, "
+                  "batches of 8): " + ", ".join(f"{k} {v:.1f} s" + (f" ({ratio(v, lc_wall)} of llm-compressor's wall)"
+                                                                    if lc_wall else "") for k, v in floor.items())
+                  + f"; quantkit gptq's forward + statistics phases: "
+                  f"{qk['phases'].get('forward', 0) + qk['phases'].get('statistics', 0):.1f} s")
     rtn = runs["quantkit rtn"]["eval"][HELDOUT_PYDOC]["kl_mean"]
     md.append(f"other-domain KL, quantkit gptq / rtn: {ratio(qk['eval'][HELDOUT_PYDOC]['kl_mean'], rtn)}")
     payload = {n: {k: v for k, v in r.items() if k not in ("stdout", "stderr", "out")} for n, r in runs.items()}
+    payload["forward_floor_seconds"] = floor
     write_results(f"gptq_w4a16_g{args.group_size}", payload, "\n".join(md) + "\n")
+
+
+def forward_floor(model, samples: int, seq_len: int) -> dict[str, float]:
+    """Seconds of one decoder forward over samples x seq_len tokens per dtype, from bench_forward_floor.py in its
+    own process (nothing else running)."""
+    import re
+    import subprocess
+
+    out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "benchmarks" / "bench_forward_floor.py"),
+                          "--model", str(model), "--num-samples", str(samples), "--seq-len", str(seq_len)],
+                         capture_output=True, text=True, check=True).stdout
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+): one decoder forward .*: ([\d.]+) s$", out, re.M)}
 
 
 if __name__ == "__main__":
