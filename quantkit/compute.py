@@ -81,6 +81,11 @@ class ComputeChoice:
     def name(self) -> str:
         return dtype_name(self.dtype)
 
+    @property
+    def layer_dtype(self) -> torch.dtype:
+        """The dtype a layer is materialised in: fp32 master weights under autocast, else the compute dtype."""
+        return torch.float32 if self.autocast else self.dtype
+
     def describe(self) -> str:
         speeds = ", ".join(f"{k} {v:.1f}" for k, v in self.gflops.items())
         how = f"{self.reason}: {speeds} GFLOP/s" if speeds else self.reason

@@ -611,7 +611,7 @@ def convert_model(source: str | None, output: Path, opts: MLAOptions, dataset: s
 
     compute = choose_compute_dtype(opts.compute_dtype, handle.source_dtype(), "cpu", matmul_shapes(config))
     announce(compute.describe())
-    run_dtype = torch.float32 if compute.autocast else compute.dtype
+    run_dtype = compute.layer_dtype
     # The refinement's targets come from the source forward: bf16 (autocast or a bf16 model) rounds them to ~eps.
     target_floor = torch.finfo(torch.bfloat16 if compute.autocast else run_dtype).eps ** 2
 

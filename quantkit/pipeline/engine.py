@@ -953,7 +953,7 @@ def _quantize_locked(recipe: Recipe, options: _RunOptions, ranks: Ranks = SINGLE
     autocast = compute.autocast
     run = LayerRun(handle, plans, methods, scheme, n_batches, device, None, journal, partial, partial / ".state",
                    Path(offload_dir) if offload_dir else None, weight_dtype,
-                   torch.float32 if autocast else compute.dtype, autocast, setup.error_batches, ranks,
+                   compute.layer_dtype, autocast, setup.error_batches, ranks,
                    schedule=recipe.calibration.schedule, device_peak=device_peak,
                    kv_cache=recipe.quantization.kv_cache, expert_tokens=recipe.calibration.expert_tokens,
                    min_expert_tokens=recipe.calibration.min_expert_tokens)

@@ -152,7 +152,7 @@ def _trial_layer0(setup, device: str, compute, trial_samples: int | None) -> Tri
 
     n = max(1, min(setup.n_samples, trial_samples or setup.batch_size))
     autocast = compute.autocast
-    compute_dtype = torch.float32 if autocast else compute.dtype
+    compute_dtype = compute.layer_dtype
     ids = setup.calib.input_ids[:n]
     release_freed_memory()
     hwm = HighWaterMark()
@@ -273,7 +273,7 @@ def plan_run(opts: PlanOptions) -> dict:
 
     trial_acts = trial.samples * setup.calib.input_ids.shape[1] * _hidden(setup) * trial.activation_element_bytes
     full_acts = n * setup.calib.input_ids.shape[1] * _hidden(setup) * trial.activation_element_bytes
-    compute_size = torch.empty((), dtype=compute_dtype_of(compute)).element_size()
+    compute_size = torch.empty((), dtype=compute.layer_dtype).element_size()
     disk_size = torch.empty((), dtype=setup.weight_dtype).element_size()
     bigger_layer = (max(sizes) - sizes[0]) * compute_size / disk_size
     # One generation resident (each batch's output replaces its input), plus the unquantised reference outputs
@@ -331,9 +331,6 @@ def plan_run(opts: PlanOptions) -> dict:
         "plan_seconds": round(time.perf_counter() - t0, 2),
     }
 
-
-def compute_dtype_of(compute) -> torch.dtype:
-    return torch.float32 if compute.autocast else compute.dtype
 
 
 def _hidden(setup) -> int:
