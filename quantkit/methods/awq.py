@@ -56,12 +56,12 @@ from __future__ import annotations
 
 import math
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
 
+from quantkit.compute import one_thread
 from quantkit.errors import InputError
 from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
 from quantkit.quant import QuantArgs, compute_qparams, fake_quantize, group_view, quantize_weight
@@ -451,7 +451,7 @@ class AWQ(Method):
                 lin.weight.data.copy_(work[n].to(lin.weight.dtype))
             self._stats = {}
             return
-        with elementwise_threads(next(iter(work.values())).device if work else torch.device("cpu")):
+        with one_thread(next(iter(work.values())).device if work else torch.device("cpu")):
             for name in ctx.pending():
                 self._quantize(ctx, name, work[name], rescale)
         self._stats = {}
@@ -513,12 +513,12 @@ class AWQ(Method):
 
                 def loss_at(i: int) -> float:
                     s = candidates[i][1]
-                    with elementwise_threads(work[quantised[0]].device):
+                    with one_thread(work[quantised[0]].device):
                         for t in quantised:
                             scaled_fake_quant(work[t], cols_for(s, t), ctx.scheme_for(t).weights, dtype,
                                               out=modules[t].weight.data)
                     outs = [_first(block(*a, **k)) for a, k in mp.samples]
-                    with elementwise_threads(work[quantised[0]].device):
+                    with one_thread(work[quantised[0]].device):
                         loss = sum(float(torch.linalg.vector_norm(o - r, dtype=torch.float32) ** 2) / o.numel()
                                    for o, r in zip(outs, refs))
                     return loss / len(refs)
@@ -539,7 +539,7 @@ class AWQ(Method):
                 return sum(hessian_loss(work[t], scaled_fake_quant(work[t], cols_for(s, t), ctx.scheme_for(t).weights,
                                                                    dtype), h) for t in quantised)
 
-            with elementwise_threads(h.device):
+            with one_thread(h.device):
                 search_grid(candidates, loss_at, cfg.search, losses, cfg.coarse_step)
         finite = sorted(i for i, v in losses.items() if math.isfinite(v))  # ties: the lowest index, as before
         if not finite:
@@ -619,20 +619,6 @@ class AWQ(Method):
                 loss = max(hessian_loss(w, approx, h), 0.0)
             ctx.linear_errors[name] = math.sqrt(loss / den) if den > 0 else 0.0
 
-
-@contextmanager
-def elementwise_threads(device: torch.device):
-    """One CPU thread for loops of many elementwise ops on weight-sized tensors: OpenMP barriers cost more
-    than the work there, and on a shared machine they stall (measured 13x on a 1536x576 fake-quantise)."""
-    if device.type != "cpu":
-        yield
-        return
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
 
 
 def _sample_input(args, kwargs):

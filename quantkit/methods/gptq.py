@@ -47,6 +47,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from quantkit.compute import one_thread
 from quantkit.errors import InputError
 from quantkit.methods.base import LayerContext, Method, QuantizedWeight, SharedInputs, check_known_options
 from quantkit.quant.integer import SCALE_DTYPE_CODES, group_qparams, round_to_dtype
@@ -297,15 +298,10 @@ def gptq_solve(
         q_out.scatter_(2, perm[:, None, :].expand(bsz, rows, n), q_p)
         return SolveResult(q_out, scale_g, zp_g)
 
-    threads = torch.get_num_threads()
-    try:
-        for i1 in range(0, n, block_size):
-            i2 = min(i1 + block_size, n)
-            count = i2 - i1
-            if dev.type == "cpu":
-                # Thousands of small ops: OpenMP barriers cost more than the work and stall on a shared
-                # machine (measured 16.6 s with 2 threads vs 0.45 s with 1 for a 3072x576 solve).
-                torch.set_num_threads(1)
+    for i1 in range(0, n, block_size):
+        i2 = min(i1 + block_size, n)
+        count = i2 - i1
+        with one_thread(dev):  # thousands of small ops; the block's trailing update below uses every thread
             w1 = w[:, :, i1:i2].clone()
             err1 = torch.zeros(bsz, rows, count, device=dev)
             u1 = u[:, i1:i2, i1:i2]
@@ -333,11 +329,8 @@ def gptq_solve(
                 w1[:, :, i:].baddbmm_(e[:, :, None], u1[:, i : i + 1, i:], alpha=-1)
                 err1[:, :, i] = e
                 q_p[:, :, k] = q
-            torch.set_num_threads(threads)
-            if i2 < n:
-                w[:, :, i2:].baddbmm_(err1, u[:, i1:i2, i2:], alpha=-1)
-    finally:
-        torch.set_num_threads(threads)
+        if i2 < n:
+            w[:, :, i2:].baddbmm_(err1, u[:, i1:i2, i2:], alpha=-1)
     del w
     q_out = torch.empty_like(q_p)
     q_out.scatter_(2, perm[:, None, :].expand(bsz, rows, n), q_p)
@@ -510,17 +503,11 @@ class GPTQ(Method):
 
     def apply(self, ctx: LayerContext) -> None:
         self._shared.release()
-        threads = torch.get_num_threads()
         on_cpu = all(t.weight.device.type == "cpu" for t in ctx.targets.values())
-        try:
-            if on_cpu and gptq_extension() is None:
-                # The eager column loop is thousands of small ops: OpenMP barriers cost more than they save, and
-                # on a shared machine they stall (measured 2-20x slower with 2 threads than with 1). The compiled
-                # loop and the factorisations use every thread.
-                torch.set_num_threads(1)
+        # The eager column loop is thousands of small ops (measured 2-20x slower with 2 threads than with 1); the
+        # compiled loop and the factorisations use every thread.
+        with one_thread(on=on_cpu and gptq_extension() is None):
             self._apply(ctx)
-        finally:
-            torch.set_num_threads(threads)
 
     def _apply(self, ctx: LayerContext) -> None:
         cfg = self.config
