@@ -489,10 +489,8 @@ def test_a_build_killed_mid_compile_does_not_hang_the_next(tmp_path, monkeypatch
     src = tmp_path / "tiny_ext.cpp"
     src.write_text('#include <torch/extension.h>\nint answer() { return 42; }\n'
                    'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }\n')
-    import hashlib
-
-    tag = hashlib.sha256(src.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    build = tmp_path / "cache" / "kernels" / f"tiny_ext-{tag}"
+    build = native.build_folder(src)
+    assert build.parent == tmp_path / "cache" / "kernels"
     build.mkdir(parents=True)
     (build / "lock").touch()  # what a build killed mid-compile leaves
     result = {}
