@@ -4,6 +4,7 @@ activations, checkpoints through transformers and quantkit's runtime, compositio
 from __future__ import annotations
 
 import copy
+import math
 import json
 
 import pytest
@@ -274,6 +275,8 @@ def test_options_are_validated():
     with pytest.raises(InputError):
         AWQConfig.from_options({"loss": "kl"})
     with pytest.raises(InputError):
+        AWQConfig.from_options({"search_dtype": "bfloat16"})
+    with pytest.raises(InputError):
         build_methods("awq", get_scheme("FP8_DYNAMIC"))
 
 
@@ -351,3 +354,46 @@ def test_statistics_tokens_equal_a_run_on_the_first_batches_only(tiny_models):
     assert AWQ(scheme, statistics_tokens=0).statistics_tokens is None
     with pytest.raises(Exception, match="statistics_tokens"):
         AWQ(scheme, statistics_tokens=-1)
+
+
+def _awq_layer(handle, hidden, calls, dtype, options):
+    scheme = get_scheme("W4A16", 32)
+    layer = handle.materialize_layer(0, dtype)
+    ctx = _ctx(handle, 0, layer, scheme, dtype)
+    acts = ActivationStore(None)
+    for j, h in enumerate(hidden):
+        acts[j] = h.to(dtype).clone()
+    batches = LayerBatches.local(acts, calls, error_batches=1)
+    batches.batch_tokens = 2 * 16
+    method = AWQ(scheme, search_tokens=32, **options)
+    process_layer(layer, ctx, [method], batches)
+    return ctx, method.report
+
+
+def test_float32_search_copies_the_block_and_its_samples(tiny_models):
+    """`search_dtype: float32` scores each candidate scale on a float32 copy of the block: on a float32 layer that
+    is the same computation (the same scales and codes); on a bf16 layer the losses are float32 ones, which the
+    block's own bf16 forward does not give, and the layer's own weights are left for the fold and quantisation."""
+    handle, hidden, calls = _inputs(tiny_models["llama"], n=4, seq=16)
+    fp32 = {o: _awq_layer(handle, hidden, calls, torch.float32, {"search_dtype": o}) for o in ("compute", "float32")}
+    (ctx_a, rep_a), (ctx_b, rep_b) = fp32["compute"], fp32["float32"]
+    assert set(ctx_a.results) == set(ctx_b.results) and ctx_a.results
+    for name in ctx_a.results:
+        assert torch.equal(ctx_a.results[name].q, ctx_b.results[name].q), name
+        assert torch.equal(ctx_a.results[name].scale, ctx_b.results[name].scale), name
+    assert [r["loss"] for r in rep_a] == [r["loss"] for r in rep_b]
+    def bf16_call(v):  # the rotary tables as a bf16 model's own forward makes them
+        if isinstance(v, torch.Tensor):
+            return v.bfloat16() if v.is_floating_point() else v
+        return tuple(bf16_call(u) for u in v) if isinstance(v, tuple) else v
+
+    calls = [[(tuple(bf16_call(a) for a in args), {k: bf16_call(v) for k, v in kw.items()}) for args, kw in per_layer]
+             for per_layer in calls]
+    bf16 = {o: _awq_layer(handle, hidden, calls, torch.bfloat16, {"search_dtype": o}) for o in ("compute", "float32")}
+    block_a = [r for r in bf16["compute"][1] if not r["derived"]]
+    block_b = [r for r in bf16["float32"][1] if not r["derived"]]
+    assert block_a and len(block_a) == len(block_b)
+    # The unscaled candidate's loss (ratio 0) on the same samples: float32 against bf16 arithmetic.
+    assert any(a["loss_unscaled"] != b["loss_unscaled"] for a, b in zip(block_a, block_b))
+    for r in block_b:
+        assert math.isfinite(r["loss"]) and r["loss"] <= r["loss_unscaled"]
