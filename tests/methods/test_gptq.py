@@ -198,6 +198,69 @@ def test_error_report_in_bf16_agrees_with_fp32():
     assert 0.001 < exact and abs(fast - exact) < 0.01 * exact, (fast, exact)
 
 
+def test_inverse_cholesky_against_float64():
+    """U upper triangular with U^T U = H^-1 (float64 inverse as the reference), batched, wide enough for the
+    blocked triangular inverse; a problem that is not positive definite is flagged, the other still solved."""
+    g = torch.Generator().manual_seed(3)
+    n = 450
+    x = torch.randn(2000, n, generator=g) * torch.rand(n, generator=g).mul(2).exp()
+    h = x.T @ x / x.shape[0] + 0.05 * torch.eye(n)
+    bad = -torch.eye(n)
+    u, ok = inverse_cholesky(torch.stack([h, bad]))
+    assert ok.tolist() == [True, False]
+    assert torch.equal(u[0], u[0].triu())
+    ref = torch.linalg.inv(h.double())
+    got = u[0].double().T @ u[0].double()
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+class _SharedInput(nn.Module):
+    """Two linears that read one input, as q and k do: GPTQ solves them as one problem with one Hessian."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.a = nn.Linear(n, 24, bias=False)
+        self.b = nn.Linear(n, 40, bias=False)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+def test_reported_errors_equal_the_output_errors_on_the_calibration_inputs():
+    """The report takes GPTQ's error from the solve's own loss (damped, then the dampening subtracted) and RTN's
+    from the Hessian: both against ||(W - W_stored) X^T|| / ||W X^T|| computed in float64 from the inputs
+    themselves, with a dead input channel (its dampening is the largest) and two linears sharing one Hessian."""
+    torch.manual_seed(0)
+    n = 256
+    mod = _SharedInput(n)
+    scheme = get_scheme("W4A16", 64)
+    ctx = LayerContext(index=0, layer=mod, targets={"a": mod.a, "b": mod.b}, scheme=scheme,
+                       checkpoint_names={"a": "model.layers.0.a", "b": "model.layers.0.b"})
+    method = GPTQ(scheme, min_tokens=1)
+    hooks = method.attach(ctx)
+    x = (torch.randn(1024, n) @ (torch.randn(n, n) * 0.2 + torch.eye(n))) * torch.rand(n).mul(3).exp()
+    x[:, 5] = 0
+    mod(x)
+    for hook in hooks:
+        hook.remove()
+    original = {"a": mod.a.weight.data.clone(), "b": mod.b.weight.data.clone()}
+    method.apply(ctx)  # writes the quantised weights into the linears
+    xd = x.double()
+    for name, w in original.items():
+        r = ctx.results[name]
+        assert r.method == "gptq"
+        stored = stored_weight(r.q, r.scale, r.zero_point, scheme.weights, r.g_idx, torch.bfloat16)
+        q, s, _ = quantize_weight(w, scheme.weights, scale_dtype=torch.bfloat16)
+        rtn = stored_weight(q, s, None, scheme.weights, None, torch.bfloat16)
+        out = (w.double() @ xd.T).norm()
+        want = float(((w.double() - stored.double()) @ xd.T).norm() / out)
+        want_rtn = float(((w.double() - rtn.double()) @ xd.T).norm() / out)
+        entry = next(e for e in method.report if e.get("linear") == name)
+        assert abs(ctx.linear_errors[name] - want) < 1e-5 * want, (ctx.linear_errors[name], want)
+        assert abs(entry["rtn"] - want_rtn) < 1e-5 * want_rtn, (entry["rtn"], want_rtn)
+        assert want < want_rtn
+
+
 def test_dampening_raised_then_rtn_fallback_never_nan():
     scheme = get_scheme("W4A16", 32)
     lin = nn.Linear(64, 8, bias=False)
