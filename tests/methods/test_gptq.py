@@ -214,6 +214,17 @@ def test_inverse_cholesky_against_float64():
     assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("n,chunk", [(5, 3), (6, 1 << 20), (7, 4)])
+def test_in_place_reversal_equals_flip(n, chunk):
+    from quantkit.methods.gptq import reverse_matrices_
+
+    m = torch.randn(3, n, n)
+    want = m.flip(-2, -1)
+    ptr = m.data_ptr()
+    got = reverse_matrices_(m, chunk=chunk)
+    assert torch.equal(got, want) and got.data_ptr() == ptr
+
+
 class _SharedInput(nn.Module):
     """Two linears that read one input, as q and k do: GPTQ solves them as one problem with one Hessian."""
 
