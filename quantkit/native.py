@@ -59,15 +59,15 @@ def _build_lock(build: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def build_folder(path: Path, extra_cflags: tuple[str, ...] = ()) -> Path:
+def build_folder(path: Path, extra_cflags: tuple[str, ...] = (), source: bytes | None = None) -> Path:
     """Where the extension of the C++ source at `path` is built: one folder per source content, flags, torch
     version and torch installation. torch writes its own include paths into build.ninja, so two virtual
     environments sharing one folder would rebuild it in turn (measured: a 28 s rebuild inside `make demo` in a
     fresh clone, after runs from another checkout's venv)."""
     from quantkit.models.source import cache_dir
 
-    key = b"\0".join([path.read_bytes(), torch.__version__.encode(), os.path.dirname(torch.__file__).encode(),
-                      " ".join(extra_cflags).encode()])
+    key = b"\0".join([path.read_bytes() if source is None else source, torch.__version__.encode(),
+                      os.path.dirname(torch.__file__).encode(), " ".join(extra_cflags).encode()])
     return cache_dir() / "kernels" / f"{path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
 
 
@@ -78,7 +78,7 @@ def load_cpu_extension(path: Path, extra_cflags: tuple[str, ...] = ()):
         return None, "this CPU has no AVX2/FMA/F16C"
     try:
         src = path.read_bytes()
-        build = build_folder(path, extra_cflags)
+        build = build_folder(path, extra_cflags, src)
     except OSError:
         return None, f"kernel source {path} is missing"
     stem, tag = path.stem, build.name.rpartition("-")[2]
