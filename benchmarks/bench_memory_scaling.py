@@ -50,7 +50,8 @@ def byte_budget(summary: dict) -> list[str]:
     return [f"one generation of activations, bf16: {mb(tokens * h * 2)}",
             f"one decoder layer's fp32 master weights: {mb(layer * 4)}",
             f"GPTQ's float64 Hessian sums (q/k/v, o, gate/up inputs and down_proj's): {mb((3 * h * h + inter * inter) * 8)}",
-            f"down_proj's factorisation (three fp32 {inter} x {inter} matrices at once): {mb(3 * inter * inter * 4)}",
+            f"down_proj's factorisation (its Hessian and the factor, two fp32 {inter} x {inter} matrices at once): "
+            f"{mb(2 * inter * inter * 4)}",
             f"one-pass only, every batch paused at down_proj (its input, bf16, and four hidden-sized tensors): "
             f"{mb(tokens * (inter + 4 * h) * 2)}"]
 
