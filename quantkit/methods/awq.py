@@ -629,7 +629,6 @@ class AWQ(Method):
             ctx.linear_errors[name] = math.sqrt(loss / den) if den > 0 else 0.0
 
 
-
 def _float32_copy(block: nn.Module, samples: list) -> tuple[nn.Module, list]:
     """A float32 copy of `block` and of the floating tensors of its sample calls (nested tuples included)."""
     import copy

@@ -697,11 +697,9 @@ class GPTQ(Method):
             before = hr.diagonal().double()
             dampen_(hr, damp)
             added = hr.diagonal().double() - before
-            ok = bool(cholesky_(hr[None])[0])
-            if ok:
+            if bool(cholesky_(hr[None])[0]):
                 p.h = None  # the reference quads are taken: nothing reads H again, so it is freed before the inverse
                 u = upper_factor_(hr[None])[0]
-                del hr
                 if not bool(torch.isfinite(u).all()):
                     break
                 if attempt:
@@ -710,10 +708,9 @@ class GPTQ(Method):
                 delta = torch.empty_like(added)
                 delta[rev] = added
                 return perm, u, column_groups(len(perm), p.args, perm, cfg.actorder), damp, delta
-            del hr
-            damp = damp * 10 if damp > 0 else 1e-4
-        else:
-            damp /= 10
+            del hr  # before the next attempt's copy
+            if attempt < cfg.max_damp_raises:
+                damp = damp * 10 if damp > 0 else 1e-4
         for name in p.names:
             ctx.warn(name, f"gptq: Hessian stayed singular up to dampening {damp:g}; fell back to RTN")
         return None

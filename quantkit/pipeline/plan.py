@@ -332,7 +332,6 @@ def plan_run(opts: PlanOptions) -> dict:
     }
 
 
-
 def _hidden(setup) -> int:
     cfg = setup.handle.config
     return getattr(cfg, "hidden_size", None) or cfg.get_text_config().hidden_size
