@@ -469,7 +469,7 @@ def eval_cmd(
     speculative: Optional[str] = typer.Option(None, "--speculative", help="Draft for speculative decoding: a checkpoint folder (same tokenizer), eagle:DIR or medusa:DIR (fitted by quantkit draft-heads), self:W4A8, self:W4A4 (QSPEC), self:skip:N (the first N decoder layers) or ngram."),
     draft_tokens: int = typer.Option(4, "--draft-tokens", help="Draft tokens per step (chain length; tree depth)."),
     draft_vocab: int = typer.Option(0, "--draft-vocab", help="A model draft scores only the N most frequent tokens of --dataset's calibration text (0 = the whole vocabulary; verification always uses all of it)."),
-    tree: str = typer.Option("chain", "--tree", help="chain, static:WIDTHxDEPTH, dynamic:NODES (EAGLE-2) or opt:NODES (OPT-Tree)."),
+    tree: str = typer.Option("chain", "--tree", help="chain, static:WIDTHxDEPTH, dynamic:NODES[@FLOOR] (EAGLE-2; FLOOR: least confidence drafted) or opt:NODES (OPT-Tree)."),
     prompts: str = typer.Option("builtin", "--prompts", help="Prompts for --speculative: builtin (32 held-out KJV + 32 chat) or a .jsonl/.txt file."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens generated per prompt (speculative decoding)."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples (lossless rejection sampling)."),

@@ -17,7 +17,7 @@ from quantkit.runtime.speculative.acceptance import accept_child, emitted_distri
 from quantkit.runtime.speculative.decode import plain_generate
 from quantkit.runtime.step import KVCache, step, tree_mask, tree_positions
 
-TREES = ["chain", "static:2x3", "dynamic:8", "opt:6"]
+TREES = ["chain", "static:2x3", "dynamic:8", "dynamic:8@0.3", "opt:6"]
 
 
 def chi2_sf(x: float, dof: int) -> float:
@@ -359,7 +359,7 @@ def _tiny(seed: int, vocab: int = 8) -> LlamaForCausalLM:
 
 
 @pytest.mark.slow  # 20k speculative decodes (minutes on 2 cores); chains are covered exactly by the tests above
-@pytest.mark.parametrize("tree", ["dynamic:6"])
+@pytest.mark.parametrize("tree", ["dynamic:6", "dynamic:6@0.25"])
 def test_sampled_output_keeps_the_target_distribution(tree):
     """Chi-square over 20k speculative samples of the first two tokens against the target's exact joint
     distribution, computed from plain forwards."""
@@ -423,3 +423,31 @@ def test_dynamic_trees_follow_the_measured_acceptance_not_the_drafts_own_confide
     assert max(tuned.depths) == 5  # the depth limit: a chain of the top tokens, 6 deep
     chain_nodes = [i for i in range(len(tuned)) if tuned.ranks[i] == 0]
     assert len(chain_nodes) == 6 and all(tuned.tokens[i] == 0 for i in chain_nodes)
+
+
+def test_a_confidence_floor_drafts_only_the_nodes_likely_enough():
+    """The fixed draft: top token 0.4, three more at 0.2, everywhere. Uncalibrated, a node's confidence is the
+    product of those along its path; the floor keeps exactly the nodes at or above it."""
+    from quantkit.runtime.speculative.trees import build_dynamic
+
+    draft = _FixedDraft()
+    assert len(build_dynamic(draft, 8, 4, False, None, floor=0.5)) == 0  # nothing reaches 0.5: a plain step
+    one = build_dynamic(draft, 8, 4, False, None, floor=0.3)
+    assert (one.tokens, one.parents) == ([0], [-1])  # 0.4 alone; its children are worth 0.16 at most
+    # 0.1: the root's four children (0.4, 0.2, 0.2, 0.2) and the top token's top child (0.4 * 0.4 = 0.16); every
+    # other node is 0.08 or less.
+    some = build_dynamic(draft, 8, 4, False, None, floor=0.1)
+    assert sorted(zip(some.depths, some.tokens)) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
+    assert some.parents[some.depths.index(1)] == some.tokens.index(0)
+    # Sampled children come as whole sets: none when the root's best child is below the floor.
+    assert len(build_dynamic(draft, 8, 4, True, torch.Generator().manual_seed(0), floor=0.5)) == 0
+
+
+@pytest.mark.parametrize("text", ["dynamic:8@0", "dynamic:8@1", "opt:6@0.3", "dynamic:8@x"])
+def test_a_confidence_floor_outside_0_1_or_on_other_trees_is_refused(text):
+    from quantkit.errors import InputError
+
+    with pytest.raises(InputError, match="--tree"):
+        parse_tree(text, 4)
+    assert parse_tree("dynamic:8@0.3", 4).floor == 0.3
+    assert parse_tree("dynamic:8@0.3", 4).describe() == "dynamic:8@0.3"

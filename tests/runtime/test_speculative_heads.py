@@ -14,7 +14,7 @@ from quantkit.runtime.speculative.heads import (DraftKV, EagleDraft, EagleDrafte
                                                 MedusaHeads, eagle_layer_config)
 from quantkit.runtime.speculative.trees import AcceptanceRates, TreeSpec
 
-TREES = ["chain", "static:2x3", "dynamic:6", "opt:6"]
+TREES = ["chain", "static:2x3", "dynamic:6", "dynamic:6@0.3", "opt:6"]
 PROMPTS = [[5, 9, 12, 5, 9, 12, 5, 9], [30, 31, 40, 41, 42, 30, 31, 40, 41, 50, 51, 30, 31], [7]]
 
 

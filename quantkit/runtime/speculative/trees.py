@@ -10,6 +10,10 @@
   while one of them beats the N-th best node so far; the N nodes of highest confidence form the tree
   (ancestor-closed, since confidence only falls along a path). With sampling, expanded nodes keep all their children (drawn i.i.d. from the
   draft), which the multi-draft acceptance needs, and the budget counts whole child sets.
+  `dynamic:N@F`: the same with a confidence floor F: only nodes whose confidence (the chance, as measured so far,
+  that the target accepts the path to them) reaches F are kept or expanded, so the tree is as deep as the draft is
+  sure, down to no node at all: the step then verifies the last token alone, a plain decoding step. A weak draft
+  then speculates only where it is likely right, instead of paying for a verify it will mostly lose.
 - `opt:N`: OPT-Tree: the N-node shape that maximises the expected accepted length E = sum over nodes of the
   product along its path of the measured acceptance rate of (depth, rank among siblings); the rates are
   counted as decoding goes (starting from a prior), so the shape adapts to how well this draft matches this
@@ -37,6 +41,7 @@ class TreeSpec:
     depth: int  # chain length, branch depth, or the deepest level grown
     width: int = 1  # static branches
     nodes: int = 0  # dynamic / opt node budget
+    floor: float = 0.0  # dynamic: the least confidence a node needs to be drafted (0: the budget alone decides)
 
     @property
     def max_nodes(self) -> int:
@@ -48,7 +53,8 @@ class TreeSpec:
 
     def describe(self) -> str:
         return {"chain": f"chain:{self.depth}", "static": f"static:{self.width}x{self.depth}",
-                "dynamic": f"dynamic:{self.nodes}", "opt": f"opt:{self.nodes}"}[self.kind]
+                "dynamic": f"dynamic:{self.nodes}" + (f"@{self.floor:g}" if self.floor else ""),
+                "opt": f"opt:{self.nodes}"}[self.kind]
 
 
 def parse_tree(text: str, draft_tokens: int) -> TreeSpec:
@@ -63,13 +69,16 @@ def parse_tree(text: str, draft_tokens: int) -> TreeSpec:
         if w < 1 or d < 1:
             raise InputError(f"--tree {text}: width and depth must be at least 1")
         return TreeSpec("static", d, width=w)
-    m = re.fullmatch(r"(dynamic|opt):(\d+)", text)
+    m = re.fullmatch(r"(dynamic|opt):(\d+)(?:@(\d*\.?\d+))?", text)
     if m:
         n = int(m.group(2))
         if n < 1:
             raise InputError(f"--tree {text}: the node budget must be at least 1")
-        return TreeSpec(m.group(1), draft_tokens, nodes=n)
-    raise InputError(f"unknown --tree {text!r}; use chain, static:WIDTHxDEPTH, dynamic:NODES or opt:NODES")
+        floor = float(m.group(3) or 0.0)
+        if m.group(3) is not None and (m.group(1) != "dynamic" or not 0.0 < floor < 1.0):
+            raise InputError(f"--tree {text}: a confidence floor (@F) is for dynamic trees, with 0 < F < 1")
+        return TreeSpec(m.group(1), draft_tokens, nodes=n, floor=floor)
+    raise InputError(f"unknown --tree {text!r}; use chain, static:WIDTHxDEPTH, dynamic:NODES[@FLOOR] or opt:NODES")
 
 
 @dataclass
@@ -134,11 +143,13 @@ def build_static(exp: Expander, width: int, depth: int, sample: bool, generator)
 
 
 def build_dynamic(exp: Expander, budget: int, depth: int, sample: bool, generator,
-                  rates: "AcceptanceRates | None" = None) -> DraftTree:
+                  rates: "AcceptanceRates | None" = None, floor: float = 0.0) -> DraftTree:
     """EAGLE-2 style: expand the most confident nodes level by level; keep the `budget` most confident. A
     node's confidence is the product along its path of the draft's probabilities, each mapped through the
     acceptance measured so far for draft tokens of that probability (`AcceptanceRates.calibrated`): a draft
-    that is sure and wrong, or unsure and right, then grows the tree its acceptance deserves."""
+    that is sure and wrong, or unsure and right, then grows the tree its acceptance deserves. Nodes below
+    `floor` are neither expanded nor kept (with sampling: a child set is kept whole when its parent is sure
+    enough, and the root's when its best child is)."""
     tree, conf = DraftTree(), []
 
     def add_children(parent: int, q: torch.Tensor, parent_conf: float) -> list[int]:
@@ -150,8 +161,11 @@ def build_dynamic(exp: Expander, budget: int, depth: int, sample: bool, generato
         return out
 
     level = add_children(-1, exp.root(), 1.0)
+    if floor > 0 and max(conf) < floor:
+        return DraftTree()  # not even the root's best child is likely enough: verify the last token alone
     for _ in range(depth - 1):
         expand = heapq.nlargest(DYNAMIC_WIDTH, level, key=lambda n: (conf[n], -n))
+        expand = [n for n in expand if conf[n] >= floor]
         if sample:  # whole child sets: stop before the budget would split one
             expand = expand[: max(0, (budget - len(tree)) // DYNAMIC_WIDTH)]
         elif len(tree) >= budget:
@@ -167,7 +181,8 @@ def build_dynamic(exp: Expander, budget: int, depth: int, sample: bool, generato
     if sample:
         keep = sorted(range(min(len(tree), budget)))
     else:
-        keep = sorted(sorted(range(len(tree)), key=lambda n: (-conf[n], n))[:budget])
+        ranked = [n for n in sorted(range(len(tree)), key=lambda n: (-conf[n], n)) if conf[n] >= floor]
+        keep = sorted(ranked[:budget])
     return _subtree(tree, keep)
 
 
@@ -177,7 +192,7 @@ def build_tree(exp: Expander, spec: TreeSpec, sample: bool, generator,
     if spec.kind in ("chain", "static"):
         return build_static(exp, 1 if spec.kind == "chain" else spec.width, spec.depth, sample, generator)
     if spec.kind == "dynamic":
-        return build_dynamic(exp, spec.nodes, spec.depth, sample, generator, rates)
+        return build_dynamic(exp, spec.nodes, spec.depth, sample, generator, rates, spec.floor)
     return build_opt(exp, opt_shape(rates or AcceptanceRates(), spec.nodes, spec.depth), sample, generator)
 
 
