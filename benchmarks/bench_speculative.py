@@ -135,6 +135,8 @@ def main() -> None:
         tag = f"{args.fit_steps}-{args.fit_dataset.replace(':', '').replace(',', '_')}"
         for label, kind, on in (("EAGLE fit to W4A16", "eagle", ckpts["gptq"]), ("EAGLE fit to bf16", "eagle", model),
                                 ("Medusa fit to W4A16", "medusa", ckpts["gptq"])):
+            if args.drafts and label not in args.drafts.split(","):
+                continue  # only the drafters asked for are fitted (10 minutes each)
             folder, rep = draft_heads(on, kind, fit_work / f"{kind}-{'bf16' if on == model else 'w4a16'}-{tag}",
                                       args.fit_steps, args.fit_dataset)
             fits[label] = {k: rep[k] for k in ("seconds", "trained", "untrained", "draft_vocab", "parameters")}
