@@ -439,8 +439,12 @@ def test_a_confidence_floor_drafts_only_the_nodes_likely_enough():
     some = build_dynamic(draft, 8, 4, False, None, floor=0.1)
     assert sorted(zip(some.depths, some.tokens)) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
     assert some.parents[some.depths.index(1)] == some.tokens.index(0)
-    # Sampled children come as whole sets: none when the root's best child is below the floor.
+    # Sampled children come as whole sets, decided on the draft's distribution: none when its top token is below
+    # the floor, all four draws otherwise, whatever was drawn (keeping only likely draws would bias the proposal).
     assert len(build_dynamic(draft, 8, 4, True, torch.Generator().manual_seed(0), floor=0.5)) == 0
+    for seed in range(20):
+        sampled = build_dynamic(draft, 4, 4, True, torch.Generator().manual_seed(seed), floor=0.3)
+        assert sampled.depths == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("text", ["dynamic:8@0", "dynamic:8@1", "opt:6@0.3", "dynamic:8@x"])

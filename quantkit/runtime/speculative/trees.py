@@ -149,7 +149,7 @@ def build_dynamic(exp: Expander, budget: int, depth: int, sample: bool, generato
     acceptance measured so far for draft tokens of that probability (`AcceptanceRates.calibrated`): a draft
     that is sure and wrong, or unsure and right, then grows the tree its acceptance deserves. Nodes below
     `floor` are neither expanded nor kept (with sampling: a child set is kept whole when its parent is sure
-    enough, and the root's when its best child is)."""
+    enough, and the root's when the draft's top token is: a decision on q itself, never on the draws)."""
     tree, conf = DraftTree(), []
 
     def add_children(parent: int, q: torch.Tensor, parent_conf: float) -> list[int]:
@@ -160,9 +160,14 @@ def build_dynamic(exp: Expander, budget: int, depth: int, sample: bool, generato
             conf.append(parent_conf * (rates.calibrated(p) if rates is not None else p))
         return out
 
-    level = add_children(-1, exp.root(), 1.0)
-    if floor > 0 and max(conf) < floor:
-        return DraftTree()  # not even the root's best child is likely enough: verify the last token alone
+    root = exp.root()
+    if floor > 0:
+        # Whether to draft at all is decided on the draft's distribution, not on what was drawn from it: a sampled
+        # child set kept only when its draws are likely would no longer be drawn from the q the acceptance uses.
+        top = float(root.max())
+        if (rates.calibrated(top) if rates is not None else top) < floor:
+            return DraftTree()  # not even the draft's top token is likely enough: verify the last token alone
+    level = add_children(-1, root, 1.0)
     for _ in range(depth - 1):
         expand = heapq.nlargest(DYNAMIC_WIDTH, level, key=lambda n: (conf[n], -n))
         expand = [n for n in expand if conf[n] >= floor]
