@@ -151,21 +151,21 @@ def build_dynamic(exp: Expander, budget: int, depth: int, sample: bool, generato
     `floor` are neither expanded nor kept (with sampling: a child set is kept whole when its parent is sure
     enough, and the root's when the draft's top token is: a decision on q itself, never on the draws)."""
     tree, conf = DraftTree(), []
+    accepted = rates.calibrated if rates is not None else (lambda p: p)  # a draft probability's acceptance
 
     def add_children(parent: int, q: torch.Tensor, parent_conf: float) -> list[int]:
         out = []
         for rank, (tok, prop) in enumerate(_children(q, DYNAMIC_WIDTH, sample, generator)):
             p = float(q[tok])
             out.append(tree.add(tok, parent, prop, rank, prob=p))
-            conf.append(parent_conf * (rates.calibrated(p) if rates is not None else p))
+            conf.append(parent_conf * accepted(p))
         return out
 
     root = exp.root()
     if floor > 0:
         # Whether to draft at all is decided on the draft's distribution, not on what was drawn from it: a sampled
         # child set kept only when its draws are likely would no longer be drawn from the q the acceptance uses.
-        top = float(root.max())
-        if (rates.calibrated(top) if rates is not None else top) < floor:
+        if accepted(float(root.max())) < floor:
             return DraftTree()  # not even the draft's top token is likely enough: verify the last token alone
     level = add_children(-1, root, 1.0)
     for _ in range(depth - 1):
