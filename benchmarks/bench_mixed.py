@@ -14,6 +14,7 @@ sensitivity estimate ranks linears as their measured KL does.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -100,6 +101,8 @@ def main() -> None:
                     help="recipe quantization.mixed.samples (default: the recipe default)")
     ap.add_argument("--sensitivity-draws", type=int, default=None,
                     help="recipe quantization.mixed.draws (default: the recipe default)")
+    ap.add_argument("--estimates", default="pooled",
+                    help="recipe quantization.mixed.estimate, comma-separated: one mixed run per estimate")
     ap.add_argument("--results", default="mixed", help="results file name (split a long run by --methods)")
     ap.add_argument("--work", type=Path, default=None, help="default benchmarks/.work/<results>")
     args = ap.parse_args()
@@ -124,15 +127,16 @@ def main() -> None:
     quantkit = str(ROOT / ".venv" / "bin" / "quantkit")
     calib = ["--dataset", "kjv", "--num-samples", str(args.calib_samples), "--seq-len", str(args.seq_len),
              "--seed", str(args.seed)]
-    sensitivity = []
-    if args.sensitivity_samples or args.sensitivity_draws:
+    estimates = args.estimates.split(",")
+    sensitivity = {}
+    for estimate in estimates:
         mixed = {k: v for k, v in (("samples", args.sensitivity_samples), ("draws", args.sensitivity_draws)) if v}
-        recipe = args.work / "sensitivity.yaml"
+        recipe = args.work / f"sensitivity-{estimate}.yaml"
         recipe.parent.mkdir(parents=True, exist_ok=True)
         # The recipe needs a complete mixed section; --schemes and --target-bits override these two fields.
         recipe.write_text(json.dumps({"quantization": {"mixed": {"schemes": ["W4A16:g64"], "target_bits": 4.25,
-                                                                 **mixed}}}))
-        sensitivity = ["--recipe", str(recipe)]
+                                                                 "estimate": estimate, **mixed}}}))
+        sensitivity[estimate] = ["--recipe", str(recipe)]
     runs: dict[str, dict] = {}
     for method in args.methods.split(","):
         name = f"uniform W4A16 g64 {method}"
@@ -153,15 +157,15 @@ def main() -> None:
             summary = json.loads(res["stdout"])
             runs[name] = {"wall_s": res["wall_s"], "bits": summary["bits_per_weight"], "path": out, "method": method}
             print(f"{name}: {res['wall_s']:.1f} s, {summary['bits_per_weight']} bits", flush=True)
-        for k, choices in enumerate(args.choices.split(";"), start=1):
-            name = f"mixed {method} set {k}"
+        for (k, choices), estimate in itertools.product(enumerate(args.choices.split(";"), start=1), estimates):
+            name = f"mixed {method} set {k}" + (f" {estimate}" if len(estimates) > 1 else "")
             out = args.work / name.replace(" ", "_")
             res = run_measured([quantkit, "quantize", "--model", str(model), "--method", method, "--schemes",
-                                choices, "--target-bits", str(target), *calib, *sensitivity,
+                                choices, "--target-bits", str(target), *calib, *sensitivity[estimate],
                                 "--output", str(out), "--json"])
             summary = json.loads(res["stdout"])
             runs[name] = {"wall_s": res["wall_s"], "bits": summary["bits_per_weight"], "path": out, "method": method,
-                          "precision": summary["precision"], "set": k}
+                          "precision": summary["precision"], "set": k, "estimate": estimate}
             print(f"{name}: {res['wall_s']:.1f} s, {summary['bits_per_weight']} bits, "
                   f"{summary['precision']['schemes']}", flush=True)
     for name, r in runs.items():
@@ -179,7 +183,7 @@ def main() -> None:
           + "; ".join(f"choice set {k}: `{c}`" for k, c in enumerate(args.choices.split(";"), 1))
           + f"; calibration KJV {args.calib_samples} x {args.seq_len} "
           f"tokens (the sensitivity pass reads the first {args.sensitivity_samples or 8} with "
-          f"{args.sensitivity_draws or 4} draws each); held-out {args.heldout_samples} x {args.seq_len} tokens "
+          f"{args.sensitivity_draws or 4} draws each, estimate {args.estimates}); held-out {args.heldout_samples} x {args.seq_len} tokens "
           f"per domain, scored by benchmarks/kl_plain.py (transformers + compressed-tensors); {machine_line(load)}",
           "",
           f"| run | wall s | bits/weight | KL {HELDOUT_KJV} | KL {HELDOUT_PYDOC} | perplexity {HELDOUT_KJV} | "
@@ -195,7 +199,7 @@ def main() -> None:
         method = m["method"]
         u = runs[f"uniform W4A16 g64 {method}"]
         p = m["precision"]
-        md.append(f"- {method}, set {m['set']}: mixed / uniform KL {HELDOUT_KJV} {ratio(m['kl'][HELDOUT_KJV]['kl_mean'], u['kl'][HELDOUT_KJV]['kl_mean'])}, "
+        md.append(f"- {method}, set {m['set']}, {m['estimate']} estimate: mixed / uniform KL {HELDOUT_KJV} {ratio(m['kl'][HELDOUT_KJV]['kl_mean'], u['kl'][HELDOUT_KJV]['kl_mean'])}, "
                   f"{HELDOUT_PYDOC} {ratio(m['kl'][HELDOUT_PYDOC]['kl_mean'], u['kl'][HELDOUT_PYDOC]['kl_mean'])}; "
                   f"bits {m['bits']} vs {u['bits']}; wall {ratio(m['wall_s'], u['wall_s'])} (sensitivity pass "
                   f"{p['sensitivity']['seconds']} s); plan: " + ", ".join(

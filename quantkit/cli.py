@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import traceback
@@ -189,8 +190,7 @@ def quantize(
                 {"target_bits": None, "max_kl": max_kl} if max_kl is not None else {})
             if target_bits is not None and max_kl is not None:
                 raise QuantkitError("give one budget: --target-bits or --max-kl, not both")
-            fields_ = {"schemes": before.schemes, "target_bits": before.target_bits, "max_kl": before.max_kl,
-                       "samples": before.samples, "draws": before.draws} if before else {}
+            fields_ = dataclasses.asdict(before) if before else {}  # the recipe's other mixed fields stay
             fields_.update(budget)
             if given is not None:
                 fields_["schemes"] = given

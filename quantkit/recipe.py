@@ -25,6 +25,7 @@ class MixedSpec:
     max_kl: float | None = None  # estimated KL of the output (nats per token), summed over the linears
     samples: int = 8  # calibration sequences the sensitivity pass reads
     draws: int = 4  # next-token draws per sequence in that pass
+    estimate: str = "pooled"  # how the pass weighs a linear's choices: pooled | sequence (quantkit.pipeline.sensitivity)
 
     def __post_init__(self) -> None:
         if not self.schemes:
@@ -38,6 +39,8 @@ class MixedSpec:
             raise InputError(f"--max-kl must be positive, got {self.max_kl}")
         if self.samples < 1 or self.draws < 1:
             raise InputError("mixed.samples and mixed.draws must be at least 1")
+        if self.estimate not in ("pooled", "sequence"):
+            raise InputError(f"mixed.estimate must be pooled or sequence, got {self.estimate!r}")
 
 
 @dataclass

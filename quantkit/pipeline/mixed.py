@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -51,15 +52,19 @@ def tie_key(module: str) -> str:
     return merged[0] if merged else module
 
 
-def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], input_ids: torch.Tensor,
-                   weight_dtype: torch.dtype, device: str = "cpu", method=None, on_layer=None) -> dict:
-    """Set each target's scheme (LayerPlan.targets[*].scheme) and return the plan (see the module docstring).
-    `method`: the run's quantising method, whose stored weights the estimates weigh (`Method.preview`)."""
-    from quantkit.pipeline.sensitivity import SensitivityOptions, linear_sensitivity
+@dataclass
+class AllocationItems:
+    """The allocation's items: the linears tied into one (tie_key), each item's choices and their exact bits."""
 
-    targets = [t for p in plans for t in p.targets]
+    tied: dict[str, list]  # key -> the LayerPlan targets it ties
+    choices: dict[str, list[Scheme]]  # key -> the choices every one of its linears can take
+    costs: list[list[int]]  # per item (in `tied`'s order), per choice: bits on disk
+    dropped: list[dict]  # the items that lost choices, and which
+
+
+def allocation_items(plans: list, choices: list[Scheme], weight_dtype: torch.dtype) -> AllocationItems:
     tied: dict[str, list] = {}
-    for t in targets:
+    for t in (t for p in plans for t in p.targets):
         tied.setdefault(tie_key(t.checkpoint), []).append(t)
     item_choices: dict[str, list[Scheme]] = {}
     dropped = []
@@ -74,12 +79,25 @@ def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], 
             dropped.append({"modules": [t.checkpoint for t in members],
                             "dropped": [s.label for s in choices if s not in ok]})
         item_choices[key] = ok
-    per_linear = {t.checkpoint: item_choices[key] for key, members in tied.items() for t in members}
     costs = [[sum(_bits(t, s, weight_dtype) for t in members) for s in item_choices[key]]
              for key, members in tied.items()]
+    return AllocationItems(tied, item_choices, costs, dropped)
+
+
+def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], input_ids: torch.Tensor,
+                   weight_dtype: torch.dtype, device: str = "cpu", method=None, on_layer=None) -> dict:
+    """Set each target's scheme (LayerPlan.targets[*].scheme) and return the plan (see the module docstring).
+    `method`: the run's quantising method, whose stored weights the estimates weigh (`Method.preview`)."""
+    from quantkit.pipeline.sensitivity import SensitivityOptions, linear_sensitivity
+
+    targets = [t for p in plans for t in p.targets]
+    items = allocation_items(plans, choices, weight_dtype)
+    tied, item_choices, costs, dropped = items.tied, items.choices, items.costs, items.dropped
+    per_linear = {t.checkpoint: item_choices[key] for key, members in tied.items() for t in members}
     weights = sum(t.out_features * t.in_features for t in targets)
     began = time.perf_counter()
-    options = SensitivityOptions(samples=min(spec.samples, input_ids.shape[0]), draws=spec.draws)
+    options = SensitivityOptions(samples=min(spec.samples, input_ids.shape[0]), draws=spec.draws,
+                                 estimate=spec.estimate)
     kl = linear_sensitivity(handle, plans, per_linear, input_ids, weight_dtype, device, options, method=method,
                             on_layer=on_layer)
     seconds = time.perf_counter() - began
@@ -119,7 +137,7 @@ def plan_precision(handle, plans: list, spec: MixedSpec, choices: list[Scheme], 
         "schemes": counts,
         "dropped": dropped,
         "sensitivity": {"samples": options.samples, "draws": options.draws, "seconds": round(seconds, 2),
-                        "estimate": "fisher", "weights": getattr(method, "name", None) or "rtn",
+                        "estimate": f"fisher, {options.estimate}", "weights": getattr(method, "name", None) or "rtn",
                         "statistics_held_out": bool(getattr(method, "preview_stats", None))
                         and input_ids.shape[0] >= 2 * options.samples},
         "linears": linears,

@@ -9,6 +9,15 @@ The score never needs a weight gradient: for a linear computing Y from X, d log 
 tokens of dlogp/dY . dY, where dY is what the linear computes quantised (weights, and activations where the scheme
 quantises them) minus what it computes. So each choice costs one extra matmul per calibration batch.
 
+That sequence-level estimate is unbiased but noisy: one squared score per sequence and draw, about sqrt(2 / (samples
+* draws)) relative. An allocation that picks, per linear, the choice with the lowest estimate picks the ones whose
+noise ran low, and the plan it promises is not the plan it gets (on SmolLM2, 8 x 4: 0.72x the uniform plan's KL by
+its own estimate, 0.82x by an independent one; benchmarks/results/mixed_estimate.md). The token-level sum of squared
+scores (the square summed over positions instead of the sum squared) has thousands of terms and next to no noise,
+but misses how the positions' errors add up, which depends on the linear, not much on its choice. So the default
+("pooled") takes each linear's level from the sequence estimate summed over its choices, and how its choices
+differ from the token-level sums: estimate_c = token_c * sum(sequence) / sum(token). "sequence" keeps the plain one.
+
 What "quantised" means is the run's method's: `Method.preview` gives the weight it would store under each choice
 (RTN's importance-weighted scale search, GPTQ's solve), from statistics of the linear's input on the same samples
 (its mean squares, or its Hessian), gathered one layer at a time in a forward pass before that layer's backward.
@@ -45,6 +54,14 @@ class SensitivityOptions:
     draws: int = 4  # next-token draws per sequence: the estimate's relative noise is about sqrt(2 / (samples*draws))
     batch_size: int = 1
     seed: int = 0
+    estimate: str = "pooled"  # or "sequence" (see the module docstring)
+
+    def __post_init__(self) -> None:
+        if self.estimate not in ESTIMATES:
+            raise ValueError(f"estimate must be one of {', '.join(ESTIMATES)}, got {self.estimate!r}")
+
+
+ESTIMATES = ("pooled", "sequence")
 
 
 def _fake_inputs(x: torch.Tensor, acts: QuantArgs | None) -> torch.Tensor:
@@ -139,6 +156,27 @@ def linear_sensitivity(handle: ModelHandle, plans: list, choices: dict[str, list
     order of `choices[name]`. `plans`: the run's LayerPlans (their targets are the linears measured); `method`:
     the run's quantising Method, whose `preview` gives each choice's stored weight (None: round to nearest);
     `on_layer()` is called once per layer of the backward sweep (progress)."""
+    both = sensitivity_sums(handle, plans, choices, input_ids, weight_dtype, device, options, method, on_layer)
+    if options.estimate == "sequence":
+        return both["sequence"]
+    return {ckpt: pooled_estimate(vals, both["token"][ckpt]) for ckpt, vals in both["sequence"].items()}
+
+
+def pooled_estimate(sequence: list[float], token: list[float]) -> list[float]:
+    """One linear's choices: the level of the sequence estimates, the differences of the token-level ones."""
+    total = sum(token)
+    if total <= 0:
+        return list(sequence)
+    level = sum(sequence) / total
+    return [t * level for t in token]
+
+
+def sensitivity_sums(handle: ModelHandle, plans: list, choices: dict[str, list[Scheme]], input_ids: torch.Tensor,
+                     weight_dtype: torch.dtype, device: str = "cpu",
+                     options: SensitivityOptions = SensitivityOptions(), method=None,
+                     on_layer=None) -> dict[str, dict[str, list[float]]]:
+    """Both estimates of `linear_sensitivity` from one pass: {"sequence": the unbiased sequence-level estimate,
+    "token": the token-level sums of squares on the same scale}."""
     ids = input_ids[: options.samples]
     tokens = ids.numel()
     kind = getattr(method, "preview_stats", None)
@@ -157,7 +195,8 @@ def linear_sensitivity(handle: ModelHandle, plans: list, choices: dict[str, list
                 stat_inputs.append([run_layer(layer, h, stat_calls[b][i]) for b, h in enumerate(stat_inputs[-1])])
             del layer
     grads = _top_gradients(handle, inputs.pop(), options, device)
-    sums: dict[str, list[float]] = {}
+    sums: dict[str, list[float]] = {}  # per choice: the sequences' squared scores
+    token_sums: dict[str, list[float]] = {}  # per choice: the tokens' squared scores
     for plan in reversed(plans):
         i = plan.index
         layer = handle.materialize_layer(i, torch.float32, device)
@@ -173,6 +212,7 @@ def linear_sensitivity(handle: ModelHandle, plans: list, choices: dict[str, list
         del stats
         for local, ckpt in wanted.items():
             sums.setdefault(ckpt, [0.0] * len(choices[ckpt]))
+            token_sums.setdefault(ckpt, [0.0] * len(choices[ckpt]))
         below = []
         for b, h in enumerate(layer_inputs):
             seen: dict[str, list] = {}
@@ -209,11 +249,13 @@ def linear_sensitivity(handle: ModelHandle, plans: list, choices: dict[str, list
                         for j, scheme in enumerate(choices[ckpt]):
                             delta = F.linear(_fake_inputs(x, scheme.input_activations), stored[local][j],
                                              module.bias) - y
-                            scores = (dy * delta).flatten(1).sum(1, dtype=torch.float64)
-                            sums[ckpt][j] += float((scores ** 2).sum())
+                            per_token = (dy * delta).sum(-1, dtype=torch.float64)  # [draws, *tokens]
+                            sums[ckpt][j] += float((per_token.flatten(1).sum(1) ** 2).sum())
+                            token_sums[ckpt][j] += float((per_token ** 2).sum())
         grads = below
         del layer, stored, modules
         if on_layer is not None:
             on_layer()
     scale = 0.5 / (tokens * options.draws)
-    return {ckpt: [v * scale for v in vals] for ckpt, vals in sums.items()}
+    return {"sequence": {ckpt: [v * scale for v in vals] for ckpt, vals in sums.items()},
+            "token": {ckpt: [v * scale for v in vals] for ckpt, vals in token_sums.items()}}

@@ -128,6 +128,8 @@ def test_bad_budgets_are_one_line_and_leave_nothing(tiny_models, tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
     with pytest.raises(InputError, match="below what these --schemes can reach"):
         _run(tiny_models["llama"], tmp_path / "o", method="rtn", schemes=["W4A16:g32"], max_kl=1e-12)
+    with pytest.raises(InputError, match="mixed.estimate must be pooled or sequence"):
+        MixedSpec(schemes=["W4A16:g32"], target_bits=5.0, estimate="exact")
 
 
 def test_the_written_recipe_reproduces_the_plan(llama, tmp_path):
@@ -137,3 +139,16 @@ def test_the_written_recipe_reproduces_the_plan(llama, tmp_path):
     quantize_model(again, tmp_path / "b")
     first, second = (json.loads((tmp_path / d / "precision_plan.json").read_text()) for d in ("a", "b"))
     assert [e["scheme"] for e in first["linears"]] == [e["scheme"] for e in second["linears"]]
+
+
+def test_flags_override_the_budget_and_keep_the_recipes_other_mixed_fields(llama, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({"quantization": {"method": "rtn", "mixed": {
+        "schemes": ["W4A16:g32"], "target_bits": 9.0, "samples": 2, "draws": 1, "estimate": "sequence"}}}))
+    res = _quantize("--model", str(llama), "--recipe", str(recipe), "--schemes", ",".join(CHOICES), "--target-bits",
+                    "5", "--num-samples", "4", "--seq-len", "16", "--output", str(tmp_path / "out"))
+    assert res.exit_code == 0, res.output
+    plan = json.loads((tmp_path / "out" / "precision_plan.json").read_text())
+    assert plan["choices"] == CHOICES and plan["target_bits"] == 5.0
+    assert plan["sensitivity"]["estimate"] == "fisher, sequence"
+    assert (plan["sensitivity"]["samples"], plan["sensitivity"]["draws"]) == (2, 1)

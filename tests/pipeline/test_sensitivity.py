@@ -1,5 +1,5 @@
 """The Fisher estimate of each linear's KL against the KL measured by running transformers with that one linear
-quantised."""
+quantised; the pooled estimate against the sequence-level one across draw seeds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from quantkit.models.loader import open_model
 from quantkit.models.source import resolve_model
 from quantkit.pipeline.engine import plan_layers
-from quantkit.pipeline.sensitivity import SensitivityOptions, linear_sensitivity
+from quantkit.pipeline.sensitivity import SensitivityOptions, linear_sensitivity, pooled_estimate, sensitivity_sums
 from quantkit.quant.schemes import parse_choice
 from quantkit.quant.weights import round_trip
 from tests.conftest import make_tiny_model
@@ -45,10 +45,11 @@ def _measured(path, name, scheme, ids, base):
     return float((base.exp() * (base - logp)).sum(-1).mean())
 
 
-def test_estimates_rank_and_size_like_the_measured_kl(llama3):
+@pytest.mark.parametrize("estimate", ["pooled", "sequence"])
+def test_estimates_rank_and_size_like_the_measured_kl(llama3, estimate):
     choices = [parse_choice("W4A16:g32"), parse_choice("W4A16:ch"), parse_choice("W8A16:ch")]
     ids = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(1))
-    est = _estimates(llama3, choices, ids, samples=16, draws=8)
+    est = _estimates(llama3, choices, ids, samples=16, draws=8, estimate=estimate)
     model = AutoModelForCausalLM.from_pretrained(llama3, dtype=torch.float32).eval()
     with torch.no_grad():
         base = torch.log_softmax(model(ids).logits, -1)
@@ -74,3 +75,40 @@ def test_moe_experts_and_shared_linears_get_estimates(tiny_models):
         assert four >= 0 and eight >= 0 and torch.isfinite(torch.tensor([four, eight])).all(), name
     # 8 bits add far less KL than 4 over the model as a whole
     assert sum(v[1] for v in est.values()) < 0.1 * sum(v[0] for v in est.values())
+
+
+def test_pooled_estimate_weighs_a_linears_choices_with_far_less_noise(llama3):
+    """What the allocator acts on within a linear is how its choices compare. Across draw seeds, that comparison
+    (each choice's estimate over the first's) moves far less in the pooled estimate than in the sequence-level one,
+    and the pooled estimates of each choice themselves move less."""
+    choices = [parse_choice("W4A16:g32"), parse_choice("W4A16:ch"), parse_choice("W4A16_ASYM:g32"),
+               parse_choice("W8A16:ch")]
+    ids = torch.randint(0, 256, (16, 64), generator=torch.Generator().manual_seed(1))
+    handle = open_model(resolve_model(str(llama3)), False)
+    plans = plan_layers(handle, choices[0], ["lm_head"])
+    per = {t.checkpoint: list(choices) for p in plans for t in p.targets}
+    runs = [sensitivity_sums(handle, plans, per, ids, torch.float32, options=SensitivityOptions(samples=4, draws=2,
+                                                                                                 seed=seed))
+            for seed in range(6)]
+
+    def spread(values: list[list[float]]) -> torch.Tensor:  # per column: std / mean over the seeds
+        t = torch.tensor(values, dtype=torch.float64)
+        return t.std(0) / t.mean(0)
+
+    value, ratio = {"sequence": [], "pooled": []}, {"sequence": [], "pooled": []}
+    for name in per:
+        per_seed = {"sequence": [r["sequence"][name] for r in runs],
+                    "pooled": [pooled_estimate(r["sequence"][name], r["token"][name]) for r in runs]}
+        for kind, rows in per_seed.items():
+            value[kind].append(spread(rows))
+            ratio[kind].append(spread([[v / row[0] for v in row[1:]] for row in rows]))
+    median = {k: {kind: float(torch.cat(v[kind]).median()) for kind in v} for k, v in
+              (("value", value), ("ratio", ratio))}
+    assert median["ratio"]["pooled"] < 0.35 * median["ratio"]["sequence"], median
+    assert median["value"]["pooled"] < median["value"]["sequence"], median
+
+
+def test_pooled_estimate_keeps_the_level_and_takes_the_differences():
+    # a linear whose sequence estimates were 3, 1 and whose token sums are 1, 3: the level (4) stays, split 1 : 3
+    assert pooled_estimate([3.0, 1.0], [1.0, 3.0]) == [1.0, 3.0]
+    assert pooled_estimate([2.0, 0.5], [0.0, 0.0]) == [2.0, 0.5]  # no token signal (nothing reached the output)
