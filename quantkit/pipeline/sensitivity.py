@@ -11,12 +11,12 @@ quantises them) minus what it computes. So each choice costs one extra matmul pe
 
 That sequence-level estimate is unbiased but noisy: one squared score per sequence and draw, about sqrt(2 / (samples
 * draws)) relative. An allocation that picks, per linear, the choice with the lowest estimate picks the ones whose
-noise ran low, and the plan it promises is not the plan it gets (on SmolLM2, 8 x 4: 0.72x the uniform plan's KL by
-its own estimate, 0.82x by an independent one; benchmarks/results/mixed_estimate.md). The token-level sum of squared
-scores (the square summed over positions instead of the sum squared) has thousands of terms and next to no noise,
-but misses how the positions' errors add up, which depends on the linear, not much on its choice. So the default
-("pooled") takes each linear's level from the sequence estimate summed over its choices, and how its choices
-differ from the token-level sums: estimate_c = token_c * sum(sequence) / sum(token). "sequence" keeps the plain one.
+noise ran low, and the plan it promises is not the plan it gets (benchmarks/results/mixed_estimate.md scores plans
+on independent samples). The token-level sum of squared scores (the square summed over positions instead of the sum
+squared) has thousands of terms and next to no noise, but misses how the positions' errors add up, which depends on
+the linear, not much on its choice. So the default ("pooled") takes each linear's level from the sequence estimate
+summed over its choices, and how its choices differ from the token-level sums: estimate_c = token_c * sum(sequence) /
+sum(token). "sequence" keeps the plain one.
 
 What "quantised" means is the run's method's: `Method.preview` gives the weight it would store under each choice
 (RTN's importance-weighted scale search, GPTQ's solve), from statistics of the linear's input on the same samples
