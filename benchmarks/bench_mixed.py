@@ -149,7 +149,7 @@ def main() -> None:
         target = summary["bits_per_weight"]
         if args.reference:
             ref = parse_choice(args.reference)
-            name = f"uniform {ref.name} {ref.label.partition(':')[2]} {method}"
+            name = " ".join(x for x in ("uniform", ref.name, ref.label.partition(":")[2], method) if x)
             out = args.work / name.replace(" ", "_")
             group = ref.weights.group_size if ref.weights.strategy == "group" else -1
             res = run_measured([quantkit, "quantize", "--model", str(model), "--method", method, "--scheme", ref.name,

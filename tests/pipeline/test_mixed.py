@@ -152,3 +152,25 @@ def test_flags_override_the_budget_and_keep_the_recipes_other_mixed_fields(llama
     assert plan["choices"] == CHOICES and plan["target_bits"] == 5.0
     assert plan["sensitivity"]["estimate"] == "fisher, sequence"
     assert (plan["sensitivity"]["samples"], plan["sensitivity"]["draws"]) == (2, 1)
+
+
+def test_a_plan_mixing_formats_loads_in_transformers_as_the_runtime_runs_it(llama, tmp_path):
+    """int4 groups beside NVFP4 ones: one `mixed-precision` checkpoint, each group with its own format."""
+    _run(llama, tmp_path / "q", method="rtn", schemes=["W4A16:ch", "NVFP4A16", "W8A16:ch"], target_bits=4.8,
+         samples=16)
+    plan = json.loads((tmp_path / "q" / "precision_plan.json").read_text())
+    used = {e["scheme"] for e in plan["linears"]}
+    assert "NVFP4A16" in used and len(used) > 1, used
+    config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "mixed-precision"
+    assert {g["format"] for g in config["config_groups"].values()} >= {"nvfp4-pack-quantized", "pack-quantized"}
+    # compressed-tensors' fp4 modules decompress into bf16 whatever the model's dtype, so both run in bf16, where
+    # two engines' matmuls may round a logit one bf16 step apart
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.bfloat16).eval()
+    rt = load_model(tmp_path / "q", dtype=torch.bfloat16, kernels="reference")
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = rt(input_ids=ids).logits.float(), model(ids).logits.float()
+    step = 2.0 ** (torch.floor(torch.log2(want.abs().max())) - 7)  # one bf16 step at the largest logit
+    assert (got - want).abs().max() <= 2 * step, (got - want).abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
