@@ -183,7 +183,8 @@ def main() -> None:
           + "; ".join(f"choice set {k}: `{c}`" for k, c in enumerate(args.choices.split(";"), 1))
           + f"; calibration KJV {args.calib_samples} x {args.seq_len} "
           f"tokens (the sensitivity pass reads the first {args.sensitivity_samples or 8} with "
-          f"{args.sensitivity_draws or 4} draws each, estimate {args.estimates}); held-out {args.heldout_samples} x {args.seq_len} tokens "
+          f"{args.sensitivity_draws or 4} draws each, estimate {args.estimates}); held-out "
+          f"{args.heldout_samples} x {args.seq_len} tokens "
           f"per domain, scored by benchmarks/kl_plain.py (transformers + compressed-tensors); {machine_line(load)}",
           "",
           f"| run | wall s | bits/weight | KL {HELDOUT_KJV} | KL {HELDOUT_PYDOC} | perplexity {HELDOUT_KJV} | "

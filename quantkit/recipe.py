@@ -25,7 +25,7 @@ class MixedSpec:
     max_kl: float | None = None  # estimated KL of the output (nats per token), summed over the linears
     samples: int = 8  # calibration sequences the sensitivity pass reads
     draws: int = 4  # next-token draws per sequence in that pass
-    estimate: str = "pooled"  # how the pass weighs a linear's choices: pooled | sequence (quantkit.pipeline.sensitivity)
+    estimate: str = "pooled"  # how that pass weighs a linear's choices: pooled | sequence (pipeline.sensitivity)
 
     def __post_init__(self) -> None:
         if not self.schemes:
