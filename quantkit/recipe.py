@@ -16,6 +16,9 @@ class ModelSpec:
     trust_remote_code: bool = False
 
 
+ESTIMATES = ("pooled", "sequence")  # how the sensitivity pass weighs a linear's choices (pipeline.sensitivity)
+
+
 @dataclass
 class MixedSpec:
     """Mixed precision: one of `schemes` per linear, chosen under a size or an accuracy budget."""
@@ -39,7 +42,7 @@ class MixedSpec:
             raise InputError(f"--max-kl must be positive, got {self.max_kl}")
         if self.samples < 1 or self.draws < 1:
             raise InputError("mixed.samples and mixed.draws must be at least 1")
-        if self.estimate not in ("pooled", "sequence"):
+        if self.estimate not in ESTIMATES:
             raise InputError(f"mixed.estimate must be pooled or sequence, got {self.estimate!r}")
 
 

@@ -46,6 +46,7 @@ from quantkit.quant.fp4 import nvfp4_global_scale
 from quantkit.quant.fp8 import scale_from_absmax
 from quantkit.quant.schemes import Scheme
 from quantkit.quant.weights import round_trip
+from quantkit.recipe import ESTIMATES
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,6 @@ class SensitivityOptions:
     def __post_init__(self) -> None:
         if self.estimate not in ESTIMATES:
             raise ValueError(f"estimate must be one of {', '.join(ESTIMATES)}, got {self.estimate!r}")
-
-
-ESTIMATES = ("pooled", "sequence")
 
 
 def _fake_inputs(x: torch.Tensor, acts: QuantArgs | None) -> torch.Tensor:
