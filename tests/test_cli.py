@@ -39,11 +39,12 @@ def test_folder_that_is_not_a_model(tmp_path):
     _assert_one_line_error(_quantize("--model", str(tmp_path / "m"), "--output", str(tmp_path / "o")), 2, "config.json")
 
 
-def test_unsupported_architecture_names_supported_ones(tmp_path):
+def test_a_model_without_linear_layers_is_refused_naming_what_it_has(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
-    _assert_one_line_error(_quantize(*_base(tmp_path, tmp_path / "gpt2")), 2, "unsupported architecture 'gpt2'", "llama")
+    _assert_one_line_error(_quantize(*_base(tmp_path, tmp_path / "gpt2")), 2, "'gpt2' hold no nn.Linear", "Conv1D")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
 def test_corrupt_and_truncated_safetensors(tmp_path, tiny_models):

@@ -390,13 +390,10 @@ def _speculative_grid(checkpoints, tokenizer, prompts, spec: SpecOptions, opts: 
 def _attribution(rt: RuntimeModel, base_path: Path, ids: torch.Tensor, cache, opts: EvalOptions, progress) -> dict:
     """Each decoder layer's share of the checkpoint's KL: the layer swapped for the baseline's, one at a time."""
     from quantkit.eval.attribution import layer_attribution
-    from quantkit.models.adapters import adapter_for
+    from quantkit.runtime.model import _generic_adapter
 
     base = load_model(base_path, rt.dtype, rt.device, kernels=opts.kernels)
-    try:
-        layers_path = adapter_for(getattr(rt.config, "model_type", "?")).layers_path
-    except InputError:
-        layers_path = "model.layers"  # a dense model transformers knows
+    layers_path = _generic_adapter(getattr(rt.config, "model_type", "?"), rt.model).layers_path
 
     def kl_of() -> float:
         total, n = 0.0, 0

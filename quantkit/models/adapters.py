@@ -189,3 +189,39 @@ def adapter_for(model_type: str) -> Adapter:
             f"unsupported architecture {model_type!r}; supported: {', '.join(supported_model_types())}"
         )
     return adapter
+
+
+GENERIC = "generic"  # Adapter.notes of an adapter inferred from the model (adapter_for_model)
+
+
+def find_layers_path(config, model) -> str:
+    """Where `model` keeps its decoder layers: the shallowest module list with num_hidden_layers entries."""
+    from torch import nn
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    count = getattr(text, "num_hidden_layers", None)
+    lists = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == count and name]
+    if count is None or not lists:
+        raise InputError(f"unsupported architecture {getattr(config, 'model_type', '?')!r}: no list of its {count} "
+                         f"decoder layers found; supported: {', '.join(supported_model_types())} and dense models "
+                         "transformers builds")
+    return min(lists, key=lambda n: n.count("."))
+
+
+def adapter_for_model(config, model) -> Adapter:
+    """The registered adapter of the config's model type; for any other model transformers builds, one inferred
+    from `model` (a meta skeleton will do): its decoder layers are the one module list with num_hidden_layers
+    entries, checkpoint names map one to one, and no scale-folding mappings are fixed (AWQ derives checked ones,
+    SmoothQuant refuses). A sparse-MoE model needs its routing described, so an unregistered one is refused."""
+    model_type = getattr(config, "model_type", "?")
+    if model_type in _BY_TYPE:
+        return _BY_TYPE[model_type]
+    layers_path = find_layers_path(config, model)
+    layers = model.get_submodule(layers_path)
+    for name, module in layers[0 if len(layers) == 1 else -1].named_modules():
+        kind = type(module).__name__.lower()
+        if "expert" in kind or "moe" in kind or any(p.dim() == 3 for p in module.parameters(recurse=False)):
+            moe = ", ".join(t for t in supported_model_types() if _BY_TYPE[t].router is not None)
+            raise InputError(f"unsupported MoE architecture {model_type!r} ({type(module).__name__} in its layers): "
+                             f"its routing is not described here; supported MoE: {moe}")
+    return Adapter(model_type, (model_type,), layers_path=layers_path, notes=GENERIC)

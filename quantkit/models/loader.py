@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import InputError
-from quantkit.models.adapters import Adapter, adapter_for
+from quantkit.models.adapters import Adapter, adapter_for_model
 from quantkit.models.experts import UnfusedExperts, unfuse_experts
 from quantkit.models.safetensors_index import SafetensorsIndex
 from quantkit.models.source import ResolvedModel
@@ -38,6 +38,7 @@ class ModelHandle:
     skeleton: nn.Module  # parameters on meta, buffers real (rotary tables etc.)
     trust_remote_code: bool = False
     _fused_layouts: dict = field(default_factory=dict)
+    _renamed: dict | None = None  # module tensor name -> stored name, where transformers renames on load
 
     @property
     def path(self) -> Path:
@@ -138,14 +139,18 @@ class ModelHandle:
         return self.layer_prefix(i) + self.adapter.to_checkpoint(self._experts_ckpt_name(local_module))
 
     def materialize_module(self, path: str, dtype: torch.dtype | None = torch.float32, device: str = "cpu",
-                           mapped: bool = False) -> nn.Module:
+                           mapped: bool = False, recurse: bool = True) -> nn.Module:
         """Load a top-level module (embeddings, final norm) in place in the skeleton; returns it.
-        `mapped` (CPU, dtype None = as stored) leaves the weights memory-mapped instead of read."""
+        `mapped` (CPU, dtype None = as stored) leaves the weights memory-mapped instead of read; `recurse` False
+        loads the module's own parameters only."""
         module = _get(self.skeleton, path)
-        for name, param in list(module.named_parameters(recurse=True)):
+        if self._renamed is None:
+            self._renamed = renamed_checkpoint_names(self.skeleton, self.index.names())
+        for name, param in list(module.named_parameters(recurse=recurse)):
             full = f"{path}.{name}"
-            if full not in self.index and name == "weight" and path.endswith("lm_head"):
-                full = self._tied_embedding_name()
+            full = self._renamed.get(full, full)
+            if full not in self.index and name == "weight" and module is self.skeleton.get_output_embeddings():
+                full = self._renamed.get(self.embedding_path() + ".weight", self.embedding_path() + ".weight")
             if mapped and dtype is None and device == "cpu":
                 tensor = self.index.mapped(full)
             else:
@@ -156,18 +161,12 @@ class ModelHandle:
             owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
         return module
 
-    def release_module(self, path: str) -> None:
+    def release_module(self, path: str, recurse: bool = True) -> None:
         module = _get(self.skeleton, path)
-        for name, param in list(module.named_parameters(recurse=True)):
+        for name, param in list(module.named_parameters(recurse=recurse)):
             parent, _, leaf = name.rpartition(".")
             owner = _get(module, parent) if parent else module
             owner._parameters[leaf] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
-
-    def _tied_embedding_name(self) -> str:
-        for name in self.index.names():
-            if name.endswith("embed_tokens.weight"):
-                return name
-        raise InputError("lm_head weight missing and no embedding to tie it to")
 
     def embedding_path(self) -> str:
         emb = self.skeleton.get_input_embeddings()
@@ -184,7 +183,7 @@ class ModelHandle:
 
 def open_model(source: ResolvedModel, trust_remote_code: bool = False) -> ModelHandle:
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=trust_remote_code)
@@ -194,16 +193,51 @@ def open_model(source: ResolvedModel, trust_remote_code: bool = False) -> ModelH
     if qc is not None:
         check_source_quantization(qc if isinstance(qc, dict) else qc.to_dict(), source.path)
         del config.quantization_config  # native FP8: the index dequantises, the skeleton is the dense model
-    adapter = adapter_for(getattr(config, "model_type", "?"))
     index = SafetensorsIndex(source.path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with init_empty_weights(include_buffers=False):
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            skeleton = build_skeleton(source.path, config, trust_remote_code)
     skeleton.eval()
-    # Keep the attention implementation deterministic and dependency-free.
-    skeleton.config._attn_implementation = "sdpa"
+    adapter = adapter_for_model(config, skeleton)
     return ModelHandle(source, config, adapter, index, skeleton, trust_remote_code)
+
+
+def renamed_checkpoint_names(model: nn.Module, names) -> dict[str, str]:
+    """Module tensor name -> checkpoint name for the stored names transformers renames on load (GPT-NeoX's
+    `embed_out` is its `lm_head`), from transformers' own list of plain renamings; other names map to themselves."""
+    import re
+
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        renamings = [(src, dst) for t in get_model_conversion_mapping(model) if type(t) is WeightRenaming
+                     for src, dst in zip(t.source_patterns, t.target_patterns * len(t.source_patterns))]
+    except (ImportError, AttributeError, TypeError):  # a transformers without the mapping: names as stored
+        return {}
+    out = {}
+    for name in names:
+        renamed = name
+        for src, dst in renamings:
+            renamed = re.sub(src, dst, renamed)
+        if renamed != name:
+            out[renamed] = name
+    return out
+
+
+def build_skeleton(path: Path, config, trust_remote_code: bool = False) -> nn.Module:
+    """transformers' model for `config` with SDPA attention where the architecture has it and eager where it does
+    not (Gemma 2's logit softcapping): deterministic, and no optional attention packages."""
+    from transformers import AutoModelForCausalLM
+
+    for attention in ("sdpa", "eager"):
+        try:
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
+                                                    attn_implementation=attention)
+        except ValueError as exc:
+            if attention == "eager" or "scaled_dot_product_attention" not in str(exc):
+                raise InputError(f"{path}: {str(exc).splitlines()[0]}") from None
 
 
 def check_source_quantization(qc: dict | None, path: Path) -> None:

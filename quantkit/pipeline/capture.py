@@ -47,6 +47,13 @@ def capture_layer_inputs(
     # The embedding table stays memory-mapped in its stored dtype: only the rows looked up are read.
     handle.materialize_module(emb_path, dtype=None if device == "cpu" else dtype, device=device, mapped=True)
     base = handle.base_model()
+    # Whatever else the base model holds outside its layers (OPT's learned positions, a norm after the embedding),
+    # small next to a layer, is read for the capture and released after it.
+    prefix = handle.adapter.layers_path.rpartition(".")[0]
+    others = [path for path, child in ((f"{prefix}.{n}" if prefix else n, c) for n, c in base.named_children())
+              if child is not layers and path != emb_path and any(p.is_meta for p in child.parameters())]
+    for path in others:
+        handle.materialize_module(path, dtype=dtype, device=device)
     hidden: list[torch.Tensor] = []
     per_batch: list[list[tuple]] = []
     try:
@@ -69,6 +76,8 @@ def capture_layer_inputs(
         for i, layer in enumerate(originals):
             layers[i] = layer
         handle.release_module(emb_path)
+        for path in others:
+            handle.release_module(path)
     return hidden, per_batch
 
 

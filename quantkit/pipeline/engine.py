@@ -34,6 +34,7 @@ from quantkit.formats.files import publish
 from quantkit.formats.manifest import write_manifest
 from quantkit.formats.safetensors_writer import PlannedShardWriter, TensorSpec
 from quantkit.methods import LayerContext, Method, build_methods
+from quantkit.models.adapters import GENERIC
 from quantkit.models.experts import UnfusedExperts
 from quantkit.models.loader import ModelHandle, open_model
 from quantkit.models.source import resolve_model
@@ -742,6 +743,9 @@ def prepare_run(recipe: Recipe, tp: int | None = None, device: str = "cpu") -> R
     choices = _mixed_choices(q, methods) if q.mixed else None
     resolved = resolve_model(recipe.model.source)
     handle = open_model(resolved, recipe.model.trust_remote_code)
+    if "smoothquant" in folding and handle.adapter.notes == GENERIC:
+        raise InputError(f"smoothquant needs the norm -> linear mappings of {handle.adapter.name!r}, which quantkit "
+                         f"does not describe (awq derives checked ones; gptq, rtn and fp8 need none)")
     from transformers import AutoTokenizer
 
     try:
@@ -755,6 +759,10 @@ def prepare_run(recipe: Recipe, tp: int | None = None, device: str = "cpu") -> R
     if not q.mixed:  # a mixed plan drops, per linear, the choices whose groups do not fit
         check_group_divisibility(plans, scheme)
     if not any(p.targets for p in plans):
+        if not any(isinstance(m, nn.Linear) for m in handle.layers().modules()):
+            kinds = sorted({type(m).__name__ for m in handle.layers()[0].modules() if not list(m.children())})
+            raise InputError(f"nothing to quantise: the decoder layers of {handle.adapter.name!r} hold no nn.Linear "
+                             f"(their modules: {', '.join(kinds)})")
         raise InputError("nothing to quantise: every linear is ignored")
     needs_stats = any(m.needs_calibration for m in methods) or scheme.static_activations or bool(q.kv_cache)
     # a mixed plan's sensitivity pass reads its samples and as many held-out ones (quantkit.pipeline.sensitivity)

@@ -6,6 +6,7 @@ models larger than memory.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -15,12 +16,53 @@ from quantkit.models.loader import ModelHandle
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
 
 
-def output_head(handle: ModelHandle) -> str:
-    head = handle.skeleton.get_output_embeddings()
-    for name, module in handle.skeleton.named_modules():
-        if module is head:
-            return name
-    raise RuntimeError("cannot locate the output head")
+class _Inject(nn.Module):
+    """In a decoder layer's place: returns `value` (the last layer's output) where one is set, else its input."""
+
+    def __init__(self, value: torch.Tensor | None, attention_type=None):
+        super().__init__()
+        self.value = value
+        if attention_type is not None:  # read by some models' mask building (Gemma 2's sliding layers)
+            self.attention_type = attention_type
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states if self.value is None else self.value
+
+
+@contextmanager
+def output_logits(handle: ModelHandle, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Yields hidden [N, L, H] (the last decoder layer's output) -> logits [N, L, V] computed by the model's own
+    forward with its layers stood in for, so whatever the architecture does after them (final norm, output
+    projection, Cohere's logit scale, Gemma's soft-capping) is what transformers does. Differentiable in hidden.
+    The modules outside the layers are read for it (the input embedding left memory-mapped) and released after."""
+    layers = handle.layers()
+    originals = list(layers)
+    root = handle.adapter.layers_path + "."
+    emb = handle.embedding_path()
+    owners = [name for name, m in handle.skeleton.named_modules()
+              if name and not (name + ".").startswith(root) and name != handle.adapter.layers_path
+              and any(p.is_meta for p in m.parameters(recurse=False))]
+    handle.materialize_module(emb, dtype=None if device == "cpu" else dtype, device=device, mapped=True)
+    for name in owners:
+        if name != emb:
+            handle.materialize_module(name, dtype, device, recurse=False)
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(originals):
+            layers[i] = _Inject(hidden if i == 0 else None, getattr(layer, "attention_type", None))
+        ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+        try:
+            return handle.skeleton(input_ids=ids, use_cache=False).logits.float()
+        finally:
+            for i, layer in enumerate(originals):
+                layers[i] = layer
+
+    try:
+        yield logits
+    finally:
+        for name in owners:
+            handle.release_module(name, recurse=False)
+        handle.release_module(emb)
 
 
 @torch.no_grad()
@@ -40,16 +82,5 @@ def layerwise_logits(
             layer_transform(i, layer)
         hidden = [run_layer(layer, h, calls[j][i]) for j, h in enumerate(hidden)]
         del layer
-    norm_path = handle.adapter.layers_path.rpartition(".")[0] + ".norm"
-    head_path = output_head(handle)
-    norm = handle.materialize_module(norm_path, dtype, device)
-    head = handle.materialize_module(head_path, dtype, device)
-    try:
-        logits = torch.cat([head(norm(h)) for h in hidden]).float()
-        cap = getattr(handle.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-    finally:
-        handle.release_module(norm_path)
-        handle.release_module(head_path)
+    with output_logits(handle, dtype, device) as logits:
+        return torch.cat([logits(h) for h in hidden])

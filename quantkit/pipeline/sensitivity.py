@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from quantkit.models.loader import ModelHandle
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
-from quantkit.pipeline.reference import output_head
+from quantkit.pipeline.reference import output_logits
 from quantkit.quant.activations import quantize_activation
 from quantkit.quant.args import QuantArgs
 from quantkit.quant.fp4 import nvfp4_global_scale
@@ -83,21 +83,13 @@ def _preview(method, weight: torch.Tensor, args: QuantArgs, stats, weight_dtype:
 def _top_gradients(handle: ModelHandle, hidden: list[torch.Tensor], options: SensitivityOptions,
                    device: str) -> list[torch.Tensor]:
     """Per batch, [draws, *h.shape]: the gradient of the sampled tokens' log-likelihood at the last hidden state."""
-    norm_path = handle.adapter.layers_path.rpartition(".")[0] + ".norm"
-    head_path = output_head(handle)
-    norm = handle.materialize_module(norm_path, torch.float32, device)
-    head = handle.materialize_module(head_path, torch.float32, device)
-    cap = getattr(handle.config, "final_logit_softcapping", None)
     gen = torch.Generator(device=device).manual_seed(options.seed)
     grads = []
-    try:
+    with output_logits(handle, torch.float32, device) as output:
         for h in hidden:
             h = h.detach().requires_grad_(True)
             with torch.enable_grad():
-                logits = head(norm(h)).float()
-                if cap:
-                    logits = torch.tanh(logits / cap) * cap
-                logp = torch.log_softmax(logits, dim=-1)
+                logp = torch.log_softmax(output(h), dim=-1)
                 probs = logp.detach().exp().reshape(-1, logp.shape[-1])
                 per_draw = []
                 for d in range(options.draws):
@@ -105,10 +97,7 @@ def _top_gradients(handle: ModelHandle, hidden: list[torch.Tensor], options: Sen
                     (g,) = torch.autograd.grad(logp.gather(-1, y).sum(), h, retain_graph=d < options.draws - 1)
                     per_draw.append(g)
             grads.append(torch.stack(per_draw))
-            del logits, logp, probs
-    finally:
-        handle.release_module(norm_path)
-        handle.release_module(head_path)
+            del logp, probs
     return grads
 
 

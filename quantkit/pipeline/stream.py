@@ -27,7 +27,7 @@ from quantkit.pipeline.memory import peak_rss_bytes
 from quantkit.methods import Method
 from quantkit.methods.base import QuantizedWeight
 from quantkit.models.adapters import adapter_for
-from quantkit.models.loader import ModelHandle, check_source_quantization
+from quantkit.models.loader import ModelHandle, check_source_quantization, open_model
 from quantkit.models.safetensors_index import SafetensorsIndex
 from quantkit.models.source import resolve_model
 from quantkit.quant.schemes import Scheme, block_fallback
@@ -107,7 +107,10 @@ def prepare_stream(recipe: Recipe, scheme: Scheme, tp: int | None = None) -> Str
     resolved = resolve_model(recipe.model.source)
     config = json.loads((resolved.path / "config.json").read_text())
     check_source_quantization(config.get("quantization_config"), resolved.path)
-    adapter = adapter_for(config.get("model_type", "?"))
+    try:
+        adapter = adapter_for(config.get("model_type", "?"))
+    except InputError:  # an architecture without an adapter here: its layout read off a meta skeleton
+        adapter = open_model(resolved, recipe.model.trust_remote_code).adapter
     index = SafetensorsIndex(resolved.path)
     handle = ModelHandle(resolved, config, adapter, index, skeleton=None)
     plans = plan_tensors(handle, scheme, q.ignore, q.strict)

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from quantkit.errors import InputError
-from quantkit.models.adapters import Adapter, adapter_for
+from quantkit.models.adapters import Adapter, adapter_for, find_layers_path
 from quantkit.models.experts import unfuse_experts
-from quantkit.models.loader import ModelHandle, _get, _set
+from quantkit.models.loader import ModelHandle, _get, _set, build_skeleton, renamed_checkpoint_names
 from quantkit.models.safetensors_index import SafetensorsIndex
 from quantkit.models.source import ResolvedModel
 from quantkit.runtime import dispatch
@@ -104,24 +104,15 @@ def resolve_dtype(path: Path, dtype: torch.dtype | str | None = None) -> torch.d
     return DTYPES.get(name.replace("torch.", ""), torch.float32)
 
 
-def _generic_adapter(model_type: str) -> Adapter:
+def _generic_adapter(model_type: str, model: nn.Module | None = None) -> Adapter:
+    """The registered adapter, or for a model transformers knows without one, names one to one and the decoder
+    layers where `model` keeps them (model.layers when no model is given). Unlike the pipeline's, the runtime
+    runs an unregistered sparse-MoE model too, through transformers' own blocks."""
     try:
         return adapter_for(model_type)
     except InputError:
-        return Adapter(model_type, (model_type,))  # dense model transformers knows: names map one to one
-
-
-def _build_skeleton(path: Path, config, trust_remote_code: bool):
-    """SDPA attention where the architecture has it; eager where it does not (Gemma 2's logit softcapping)."""
-    from transformers import AutoModelForCausalLM
-
-    for attention in ("sdpa", "eager"):
-        try:
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
-                                                    attn_implementation=attention)
-        except ValueError as exc:
-            if attention == "eager" or "scaled_dot_product_attention" not in str(exc):
-                raise InputError(f"{path}: {str(exc).splitlines()[0]}") from None
+        path = "model.layers" if model is None else find_layers_path(model.config, model)
+        return Adapter(model_type, (model_type,), layers_path=path)
 
 
 def _skeleton(path: Path, trust_remote_code: bool):
@@ -139,7 +130,7 @@ def _skeleton(path: Path, trust_remote_code: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with init_empty_weights(include_buffers=False):
-            model = _build_skeleton(path, config, trust_remote_code)
+            model = build_skeleton(path, config, trust_remote_code)
     return config, qc, model
 
 
@@ -194,7 +185,7 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
     dtype = resolve_dtype(path, dtype)
     device = torch.device(device)
     index = SafetensorsIndex(path)
-    adapter = _generic_adapter(getattr(config, "model_type", "?"))
+    adapter = _generic_adapter(getattr(config, "model_type", "?"), model)
     handle = ModelHandle(ResolvedModel(path, str(path)), config, adapter, index, model)
     try:
         handle.layers()
@@ -228,11 +219,13 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
         formats[fmt.kind] += 1
 
     # Everything else: parameters and persistent buffers the checkpoint holds, in the compute dtype.
+    renamed = renamed_checkpoint_names(model, index.names())
     for name, param in list(model.named_parameters()):
         if param.device.type != "meta":
             continue
         module_name, _, leaf = name.rpartition(".")
         ckpt = f"{_checkpoint_name(handle, module_name)}.{leaf}"
+        ckpt = renamed.get(ckpt, ckpt)
         if ckpt not in index:
             if model.get_output_embeddings() is _get(model, module_name) and getattr(config, "tie_word_embeddings", False):
                 continue  # tied to the input embedding below

@@ -48,7 +48,7 @@ def _decoder_layers(net: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
     from quantkit.models.loader import _get
     from quantkit.runtime.model import _generic_adapter
 
-    path = _generic_adapter(getattr(net.config, "model_type", "?")).layers_path
+    path = _generic_adapter(getattr(net.config, "model_type", "?"), net).layers_path
     parent_path, _, attr = path.rpartition(".")
     try:
         parent = _get(net, parent_path) if parent_path else net

@@ -1,0 +1,112 @@
+"""Which transformers architectures quantkit quantises, and whether two consumers agree on the result: a tiny random
+model of each family (no hub access: built from transformers' own config class) through `quantkit quantize`
+(GPTQ and AWQ W4A16 g16, 8 x 64 KJV tokens), then the checkpoint loaded by transformers and by quantkit's runtime.
+
+    .venv/bin/python benchmarks/architecture_sweep.py [FAMILY ...]
+
+Per family and method: the exit status (or the one-line refusal), the relative change of the logits against the
+unquantised model in transformers (4-bit weights on a random model: tenths), and the largest difference between
+the runtime's logits and transformers' on the same checkpoint, relative to the largest logit (rounding only).
+Results: benchmarks/results/architectures.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+MOE = {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2}
+FAMILIES = {  # overrides on top of the tests' tiny sizes; unregistered families unless noted
+    "gemma2": {"head_dim": 16},  # registered; softcapped attention
+    "phi3": {}, "olmo2": {}, "granite": {}, "cohere": {}, "stablelm": {}, "starcoder2": {}, "gpt_neox": {},
+    "opt": {}, "phi": {}, "glm4": {}, "exaone4": {}, "smollm3": {}, "helium": {"head_dim": 16}, "falcon": {},
+    "gpt2": {}, "olmoe": MOE, "gpt_oss": MOE,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("families", nargs="*", default=list(FAMILIES))
+    ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "architectures")
+    args = ap.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common import machine_line, write_results
+    from quantkit.data.calibration import load_documents
+    from quantkit.runtime.model import load_model
+    from tests.conftest import make_tiny_model
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    text = args.work / "calib.txt"
+    text.write_text("\n\n".join(load_documents("kjv")[:200]))
+    env = {**os.environ, "QUANTKIT_NO_PROGRESS": "1", "QUANTKIT_CACHE": str(args.work / "cache")}
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    load = {"before": os.getloadavg()[0]}
+    rows = []
+    for family in args.families:
+        src = args.work / family
+        overrides = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **FAMILIES.get(family, {})}
+        try:
+            make_tiny_model(src, family, **overrides)
+        except Exception as exc:  # the config class refuses these sizes: not quantkit's verdict
+            rows.append({"family": family, "method": "-", "result": f"not built: {str(exc).splitlines()[0][:120]}"})
+            continue
+        with torch.no_grad():
+            source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
+        for method in ("gptq", "awq"):
+            out = args.work / f"{family}-{method}"
+            proc = subprocess.run([str(ROOT / ".venv" / "bin" / "quantkit"), "quantize", "--model", str(src),
+                                   "--method", method, "--scheme", "W4A16", "--group-size", "16", "--dataset",
+                                   str(text), "--num-samples", "8", "--seq-len", "64", "--output", str(out),
+                                   "--overwrite", "--json"], capture_output=True, text=True, env=env)
+            row = {"family": family, "method": method}
+            if proc.returncode != 0:
+                row["result"] = f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or ["?"])[-1][:160]
+                rows.append(row)
+                continue
+            row["result"] = "quantised"
+            try:
+                with torch.no_grad():
+                    consumer = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+                row["vs_source"] = round(float((consumer - source).norm() / source.norm()), 4)
+            except Exception as exc:
+                row["transformers"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                consumer = None
+            try:
+                with torch.no_grad():
+                    runtime = load_model(out, dtype=torch.float32)(ids).logits.float()
+                if consumer is not None:
+                    row["runtime_vs_transformers"] = float((runtime - consumer).abs().max() / consumer.abs().max())
+                else:
+                    row["runtime_vs_source"] = round(float((runtime - source).norm() / source.norm()), 4)
+            except Exception as exc:
+                row["runtime"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            rows.append(row)
+        print(rows[-1], flush=True)
+
+    load["after"] = os.getloadavg()[0]
+    lines = ["# Architectures: tiny random models through quantize, transformers and quantkit's runtime", "",
+             machine_line(load), "", "`benchmarks/architecture_sweep.py`; transformers "
+             + __import__("transformers").__version__ + ".", "",
+             "| family | method | result | logits vs unquantised (rel. L2) | runtime vs transformers (max rel.) | "
+             "note |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        rt = r.get("runtime_vs_transformers")
+        note = r.get("transformers") or r.get("runtime") or ""
+        if "runtime_vs_source" in r:
+            note += f" (runtime vs unquantised {r['runtime_vs_source']})"
+        lines.append(f"| {r['family']} | {r['method']} | {r['result']} | {r.get('vs_source', '-')} | "
+                     f"{'-' if rt is None else f'{rt:.1e}'} | {note} |")
+    write_results("architectures", {"rows": rows, "load": load}, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
