@@ -6,7 +6,8 @@ model of each family (no hub access: built from transformers' own config class) 
 
 Per family and method: the exit status (or the one-line refusal), the relative change of the logits against the
 unquantised model in transformers (4-bit weights on a random model: tenths), and the largest difference between
-the runtime's logits and transformers' on the same checkpoint, relative to the largest logit (rounding only).
+the runtime's logits and transformers' on the same checkpoint, relative to the largest logit (in fp32 both
+dequantise to the same weights and run the same torch ops, so 0 is what agreement looks like).
 Results: benchmarks/results/architectures.md and .json.
 """
 

@@ -216,10 +216,15 @@ def adapter_for_model(config, model) -> Adapter:
     model_type = getattr(config, "model_type", "?")
     if model_type in _BY_TYPE:
         return _BY_TYPE[model_type]
+    if getattr(config, "vision_config", None) is not None or getattr(config, "audio_config", None) is not None:
+        raise InputError(f"unsupported architecture {model_type!r} ({type(model).__name__}): a multimodal model; "
+                         "quantkit quantises text decoders (for Gemma 3, the text-only gemma3_text checkpoints)")
     layers_path = find_layers_path(config, model)
     layers = model.get_submodule(layers_path)
-    for name, module in layers[0 if len(layers) == 1 else -1].named_modules():
+    for name, module in layers[-1].named_modules():  # the last layer: MoE models may start with dense ones
         kind = type(module).__name__.lower()
+        if not name:
+            continue  # the layer itself (OLMoE's is an OlmoeDecoderLayer, whatever it holds)
         if "expert" in kind or "moe" in kind or any(p.dim() == 3 for p in module.parameters(recurse=False)):
             moe = ", ".join(t for t in supported_model_types() if _BY_TYPE[t].router is not None)
             raise InputError(f"unsupported MoE architecture {model_type!r} ({type(module).__name__} in its layers): "

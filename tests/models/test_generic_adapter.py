@@ -60,8 +60,20 @@ def test_a_gptq_checkpoint_runs_in_the_runtime_as_in_transformers(generic_models
 
 
 def test_what_the_generic_layout_cannot_do_is_refused_in_one_line(generic_models, text_file, tmp_path):
+    from transformers import AutoConfig
+
+    from tests.conftest import _write_tokenizer
+
     olmoe = make_tiny_model(tmp_path / "olmoe", "olmoe", num_experts=4, num_experts_per_tok=2)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=256)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma3")
+    _write_tokenizer(tmp_path / "gemma3", 256)
     cases = [(olmoe, "gptq", "W4A16", "unsupported MoE architecture 'olmoe'"),
+             (tmp_path / "gemma3", "gptq", "W4A16", "a multimodal model"),
              (generic_models["gpt_neox"], "smoothquant+gptq", "W8A8", "smoothquant needs the norm -> linear mappings")]
     for model, method, scheme, needle in cases:
         result = _quantize("--model", str(model), "--method", method, "--scheme", scheme, "--dataset", str(text_file),
