@@ -221,12 +221,16 @@ def adapter_for_model(config, model) -> Adapter:
                          "quantkit quantises text decoders (for Gemma 3, the text-only gemma3_text checkpoints)")
     layers_path = find_layers_path(config, model)
     layers = model.get_submodule(layers_path)
-    for name, module in layers[-1].named_modules():  # the last layer: MoE models may start with dense ones
-        kind = type(module).__name__.lower()
-        if not name:
-            continue  # the layer itself (OLMoE's is an OlmoeDecoderLayer, whatever it holds)
-        if "expert" in kind or "moe" in kind or any(p.dim() == 3 for p in module.parameters(recurse=False)):
-            moe = ", ".join(t for t in supported_model_types() if _BY_TYPE[t].router is not None)
-            raise InputError(f"unsupported MoE architecture {model_type!r} ({type(module).__name__} in its layers): "
-                             f"its routing is not described here; supported MoE: {moe}")
+    # Routed experts: a module named `experts`, stacked expert weights (3-D), or an expert count in the config. The
+    # last layer is read: MoE models may start with dense ones.
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    counts = [getattr(text, k, 0) or 0
+              for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")]
+    found = [type(m).__name__ for name, m in layers[-1].named_modules()
+             if name.rpartition(".")[2] == "experts" or any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    if found or any(isinstance(c, int) and c > 1 for c in counts):
+        moe = ", ".join(t for t in supported_model_types() if _BY_TYPE[t].router is not None)
+        what = f" ({found[0]} in its layers)" if found else ""
+        raise InputError(f"unsupported MoE architecture {model_type!r}{what}: its routing is not described here; "
+                         f"supported MoE: {moe}")
     return Adapter(model_type, (model_type,), layers_path=layers_path, notes=GENERIC)

@@ -17,7 +17,8 @@ from tests.conftest import make_tiny_model
 # attention and MLP (olmo2), parallel attention and MLP with LayerNorm (cohere), layers under gpt_neox.layers and a
 # head stored as embed_out (gpt_neox), layers under model.decoder.layers with learned positions and projections
 # around them (opt), Gemma 2's logit softcapping, which SDPA cannot run.
-FAMILIES = {"phi3": {"pad_token_id": 0}, "olmo2": {}, "cohere": {}, "gpt_neox": {}, "opt": {}, "gemma2": {"head_dim": 16}}
+FAMILIES = {"phi3": {"pad_token_id": 0}, "olmo2": {}, "cohere": {}, "gpt_neox": {}, "opt": {},
+            "gemma2": {"head_dim": 16}}
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +66,8 @@ def test_what_the_generic_layout_cannot_do_is_refused_in_one_line(generic_models
     from tests.conftest import _write_tokenizer
 
     olmoe = make_tiny_model(tmp_path / "olmoe", "olmoe", num_experts=4, num_experts_per_tok=2)
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, vocab_size=256)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=256)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
     config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
