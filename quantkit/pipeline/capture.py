@@ -3,7 +3,8 @@
 The model's own forward runs with every decoder layer replaced by a pass-through that records its
 keyword arguments (attention mask, rotary position embeddings, ... exactly as this architecture builds
 them, including per-layer differences such as sliding-window masks) and returns its input unchanged.
-Only the embeddings are materialised; the pass stops before the final norm.
+Only what the model holds outside its layers is materialised (the embedding memory-mapped); the pass stops
+before the final norm.
 """
 
 from __future__ import annotations
