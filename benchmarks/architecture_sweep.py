@@ -30,20 +30,31 @@ FAMILIES = {  # overrides on top of the tests' tiny sizes; unregistered families
     "opt": {}, "phi": {}, "glm4": {}, "exaone4": {}, "smollm3": {}, "helium": {"head_dim": 16}, "falcon": {},
     "gpt2": {}, "olmoe": MOE, "gpt_oss": MOE,
 }
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256)
+SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)
+VLMS = {  # vision-language: config kwargs (text decoder quantised, vision tower kept)
+    "gemma3": dict(text_config={**TEXT, "head_dim": 16}, vision_config=SIGLIP, mm_tokens_per_image=4),
+    "qwen2_vl": dict(text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+                     vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)),
+    "mistral3": dict(text_config={**TEXT, "model_type": "mistral", "head_dim": 16},
+                     vision_config={**SIGLIP, "head_dim": 16}),
+}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("families", nargs="*", default=list(FAMILIES))
+    ap.add_argument("families", nargs="*", default=[*FAMILIES, *VLMS])
     ap.add_argument("--work", type=Path, default=ROOT / "benchmarks" / ".work" / "architectures")
     args = ap.parse_args()
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from common import machine_line, write_results
     from quantkit.data.calibration import load_documents
     from quantkit.runtime.model import load_model
-    from tests.conftest import make_tiny_model
+    from tests.conftest import _write_tokenizer, make_tiny_model
 
     args.work.mkdir(parents=True, exist_ok=True)
     text = args.work / "calib.txt"
@@ -55,13 +66,19 @@ def main() -> None:
     for family in args.families:
         src = args.work / family
         overrides = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **FAMILIES.get(family, {})}
+        auto = AutoModelForImageTextToText if family in VLMS else AutoModelForCausalLM
         try:
-            make_tiny_model(src, family, **overrides)
+            if family in VLMS:
+                torch.manual_seed(0)
+                auto.from_config(AutoConfig.for_model(family, **VLMS[family])).save_pretrained(src)
+                _write_tokenizer(src, 256)
+            else:
+                make_tiny_model(src, family, **overrides)
         except Exception as exc:  # the config class refuses these sizes: not quantkit's verdict
             rows.append({"family": family, "method": "-", "result": f"not built: {str(exc).splitlines()[0][:120]}"})
             continue
         with torch.no_grad():
-            source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
+            source = auto.from_pretrained(src, dtype=torch.float32)(input_ids=ids).logits
         for method in ("gptq", "awq"):
             out = args.work / f"{family}-{method}"
             proc = subprocess.run([str(ROOT / ".venv" / "bin" / "quantkit"), "quantize", "--model", str(src),
@@ -76,7 +93,7 @@ def main() -> None:
             row["result"] = "quantised"
             try:
                 with torch.no_grad():
-                    consumer = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+                    consumer = auto.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits
                 row["vs_source"] = round(float((consumer - source).norm() / source.norm()), 4)
             except Exception as exc:
                 row["transformers"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"

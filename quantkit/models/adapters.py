@@ -66,6 +66,13 @@ class Adapter:
     smoothing: tuple[Smoothing, ...] = ()
     attention: str = "gqa"  # "gqa" | "mla"
     notes: str = ""
+    # Where the layers are stored when transformers renames them on load (Gemma 3's checkpoints keep
+    # language_model.model.layers for its model.language_model.layers); empty: as in the model.
+    stored_layers_path: str = ""
+
+    @property
+    def checkpoint_layers_path(self) -> str:
+        return self.stored_layers_path or self.layers_path
 
     def to_checkpoint(self, local: str) -> str:
         """Layer-local module name -> layer-local checkpoint name (renames are prefixes)."""
@@ -205,7 +212,9 @@ def find_layers_path(config, model) -> str:
         raise InputError(f"unsupported architecture {getattr(config, 'model_type', '?')!r}: no list of its {count} "
                          f"decoder layers found; supported: {', '.join(supported_model_types())} and dense models "
                          "transformers builds")
-    return min(lists, key=lambda n: n.count("."))
+    # A multimodal model's vision or audio tower may have as many layers: the text decoder's list is wanted.
+    towers = ("vision", "visual", "audio", "image", "patch")
+    return min(lists, key=lambda n: (any(t in n for t in towers), n.count(".")))
 
 
 def adapter_for_model(config, model) -> Adapter:
@@ -216,9 +225,6 @@ def adapter_for_model(config, model) -> Adapter:
     model_type = getattr(config, "model_type", "?")
     if model_type in _BY_TYPE:
         return _BY_TYPE[model_type]
-    if getattr(config, "vision_config", None) is not None or getattr(config, "audio_config", None) is not None:
-        raise InputError(f"unsupported architecture {model_type!r} ({type(model).__name__}): a multimodal model; "
-                         "quantkit quantises text decoders (for Gemma 3, the text-only gemma3_text checkpoints)")
     layers_path = find_layers_path(config, model)
     layers = model.get_submodule(layers_path)
     # Routed experts: a module named `experts`, stacked expert weights (3-D), or an expert count in the config. The

@@ -52,7 +52,8 @@ class ModelHandle:
         return _get(self.skeleton, self.adapter.layers_path)
 
     def layer_prefix(self, i: int) -> str:
-        return f"{self.adapter.layers_path}.{i}."
+        """Where layer i's tensors are stored (checkpoint names)."""
+        return f"{self.adapter.checkpoint_layers_path}.{i}."
 
     def source_dtype(self) -> torch.dtype:
         """The dtype most floating tensors have on disk (what unquantised outputs are written in)."""
@@ -72,11 +73,11 @@ class ModelHandle:
         and layers past the last one (DeepSeek-V3's multi-token-prediction blocks, `num_nextn_predict_layers`,
         stored as model.layers.N... but not part of transformers' model), which are kept as they are."""
         extra = set(self.extra_layer_indices())
-        layer_root = self.adapter.layers_path + "."
+        layer_root = self.adapter.checkpoint_layers_path + "."
         return [n for n in self.index.names() if not n.startswith(layer_root) or self._layer_index(n) in extra]
 
     def _layer_index(self, name: str) -> int | None:
-        head = name[len(self.adapter.layers_path) + 1:].partition(".")[0]
+        head = name[len(self.adapter.checkpoint_layers_path) + 1:].partition(".")[0]
         return int(head) if head.isdigit() else None
 
     def extra_layer_indices(self) -> list[int]:
@@ -84,7 +85,7 @@ class ModelHandle:
         Without a skeleton (the data-free FP8 stream) every stored layer is planned alike, MTP blocks included."""
         if self.skeleton is None:
             return []
-        layer_root = self.adapter.layers_path + "."
+        layer_root = self.adapter.checkpoint_layers_path + "."
         found = {self._layer_index(n) for n in self.index.names() if n.startswith(layer_root)}
         return sorted(i for i in found if i is not None and i >= self.num_layers)
 
@@ -199,8 +200,20 @@ def open_model(source: ResolvedModel, trust_remote_code: bool = False) -> ModelH
         with init_empty_weights(include_buffers=False):
             skeleton = build_skeleton(source.path, config, trust_remote_code)
     skeleton.eval()
-    adapter = adapter_for_model(config, skeleton)
+    adapter = with_stored_layers(adapter_for_model(config, skeleton), skeleton, index.names())
     return ModelHandle(source, config, adapter, index, skeleton, trust_remote_code)
+
+
+def with_stored_layers(adapter: Adapter, model: nn.Module, names) -> Adapter:
+    """`adapter` with its stored_layers_path set where transformers renames the layers' stored names on load."""
+    import dataclasses
+
+    root = adapter.layers_path + "."
+    for module_name, stored in renamed_checkpoint_names(model, names).items():
+        suffix = module_name[len(adapter.layers_path):]
+        if module_name.startswith(root) and stored.endswith(suffix):
+            return dataclasses.replace(adapter, stored_layers_path=stored[: len(stored) - len(suffix)])
+    return adapter
 
 
 def renamed_checkpoint_names(model: nn.Module, names) -> dict[str, str]:
@@ -229,12 +242,15 @@ def renamed_checkpoint_names(model: nn.Module, names) -> dict[str, str]:
 def build_skeleton(path: Path, config, trust_remote_code: bool = False) -> nn.Module:
     """transformers' model for `config` with SDPA attention where the architecture has it and eager where it does
     not (Gemma 2's logit softcapping): deterministic, and no optional attention packages."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    # A vision-language config (Qwen2-VL, Mistral 3) has no causal-LM class: its image-text-to-text one.
+    auto = AutoModelForCausalLM
+    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+        auto = AutoModelForImageTextToText
     for attention in ("sdpa", "eager"):
         try:
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
-                                                    attn_implementation=attention)
+            return auto.from_config(config, trust_remote_code=trust_remote_code, attn_implementation=attention)
         except ValueError as exc:
             if attention == "eager" or "scaled_dot_product_attention" not in str(exc):
                 raise InputError(f"{path}: {str(exc).splitlines()[0]}") from None

@@ -182,7 +182,27 @@ def _protected_ignore(handle: ModelHandle, plans: list[LayerPlan], user_ignore: 
         names.append("re:" + re.escape(handle.layer_prefix(i)) + ".*")
     lm_head = [n.rpartition(".")[0] for n in handle.non_layer_checkpoint_names() if n.endswith("lm_head.weight")]
     names = (lm_head or ["lm_head"]) + [n for n in names if n not in lm_head and n != "lm_head"]
-    return names
+    return names + [n for n in _outside_linears(handle) if n not in names]
+
+
+def _outside_linears(handle: ModelHandle) -> list[str]:
+    """Ignore entries for the linears outside the decoder layers besides the head, which stay unquantised: a
+    multimodal model's vision tower and projector as one pattern each (`re:.*vision_tower\..*`, which matches the
+    stored and the loaded names alike), a lone linear beside the layers (OPT's project_in) by its name."""
+    if handle.skeleton is None:  # the data-free stream of a registered text model: nothing outside its layers
+        return []
+    layers = handle.adapter.layers_path.split(".")
+    head = handle.skeleton.get_output_embeddings()
+    out: list[str] = []
+    for name, module in handle.skeleton.named_modules():
+        if not isinstance(module, nn.Linear) or module is head or name.startswith(handle.adapter.layers_path + "."):
+            continue
+        parts = name.split(".")
+        k = next(i for i, (a, b) in enumerate(zip(parts, layers + [""] * len(parts))) if a != b)
+        entry = name if k == len(parts) - 1 else "re:.*" + re.escape(parts[k]) + r"\..*"
+        if entry not in out:
+            out.append(entry)
+    return out
 
 
 def _resolve_device(device: str) -> str:

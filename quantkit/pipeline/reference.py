@@ -37,11 +37,15 @@ def output_logits(handle: ModelHandle, dtype: torch.dtype = torch.float32, devic
     The modules outside the layers are read for it (the input embedding left memory-mapped) and released after."""
     layers = handle.layers()
     originals = list(layers)
-    root = handle.adapter.layers_path + "."
     emb = handle.embedding_path()
-    owners = [name for name, m in handle.skeleton.named_modules()
-              if name and not (name + ".").startswith(root) and name != handle.adapter.layers_path
-              and any(p.is_meta for p in m.parameters(recurse=False))]
+    # What runs around the layers: the base model's other modules and the head (not a vision tower).
+    prefix = handle.adapter.layers_path.rpartition(".")[0]
+    around = [(f"{prefix}.{n}" if prefix else n, c) for n, c in handle.base_model().named_children()
+              if c is not layers]
+    around.append((next(n for n, m in handle.skeleton.named_modules() if m is handle.skeleton.get_output_embeddings()),
+                   handle.skeleton.get_output_embeddings()))
+    owners = [f"{path}.{n}" if n else path for path, top in around for n, m in top.named_modules()
+              if any(p.is_meta for p in m.parameters(recurse=False))]
     handle.materialize_module(emb, dtype=None if device == "cpu" else dtype, device=device, mapped=True)
     for name in owners:
         if name != emb:

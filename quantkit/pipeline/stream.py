@@ -54,7 +54,7 @@ def plan_tensors(handle: ModelHandle, scheme: Scheme, ignore: list[str], strict:
     adapter protects it (routers) or the user ignores it."""
     from quantkit.pipeline.engine import LayerPlan, LinearPlan, ignore_matches
 
-    root = handle.adapter.layers_path + "."
+    root = handle.adapter.checkpoint_layers_path + "."
     by_layer: dict[int, list[str]] = {}
     for name in handle.index.names():
         hit = _layer_of(name, root)
@@ -107,12 +107,14 @@ def prepare_stream(recipe: Recipe, scheme: Scheme, tp: int | None = None) -> Str
     resolved = resolve_model(recipe.model.source)
     config = json.loads((resolved.path / "config.json").read_text())
     check_source_quantization(config.get("quantization_config"), resolved.path)
+    skeleton = None
     try:
         adapter = adapter_for(config.get("model_type", "?"))
-    except InputError:  # an architecture without an adapter here: its layout read off a meta skeleton
-        adapter = open_model(resolved, recipe.model.trust_remote_code).adapter
+    except InputError:  # an architecture without an adapter here: its layout read off a meta skeleton, kept for
+        opened = open_model(resolved, recipe.model.trust_remote_code)  # the linears outside its layers
+        adapter, skeleton = opened.adapter, opened.skeleton
     index = SafetensorsIndex(resolved.path)
-    handle = ModelHandle(resolved, config, adapter, index, skeleton=None)
+    handle = ModelHandle(resolved, config, adapter, index, skeleton=skeleton)
     plans = plan_tensors(handle, scheme, q.ignore, q.strict)
     if not any(p.targets for p in plans):
         raise InputError("nothing to quantise: every linear is ignored")

@@ -24,7 +24,8 @@ from torch import nn
 from quantkit.errors import InputError
 from quantkit.models.adapters import Adapter, adapter_for, find_layers_path
 from quantkit.models.experts import unfuse_experts
-from quantkit.models.loader import ModelHandle, _get, _set, build_skeleton, renamed_checkpoint_names
+from quantkit.models.loader import (ModelHandle, _get, _set, build_skeleton, renamed_checkpoint_names,
+                                    with_stored_layers)
 from quantkit.models.safetensors_index import SafetensorsIndex
 from quantkit.models.source import ResolvedModel
 from quantkit.runtime import dispatch
@@ -185,7 +186,7 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
     dtype = resolve_dtype(path, dtype)
     device = torch.device(device)
     index = SafetensorsIndex(path)
-    adapter = _generic_adapter(getattr(config, "model_type", "?"), model)
+    adapter = with_stored_layers(_generic_adapter(getattr(config, "model_type", "?"), model), model, index.names())
     handle = ModelHandle(ResolvedModel(path, str(path)), config, adapter, index, model)
     try:
         handle.layers()

@@ -60,21 +60,51 @@ def test_a_gptq_checkpoint_runs_in_the_runtime_as_in_transformers(generic_models
     assert 0.01 < rel < 0.5, rel
 
 
-def test_what_the_generic_layout_cannot_do_is_refused_in_one_line(generic_models, text_file, tmp_path):
-    from transformers import AutoConfig
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256)
+SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)
+# Vision-language models: the text decoder is quantised, the vision tower and projector are not. Gemma 3 builds as
+# a causal LM; Qwen2-VL and Mistral 3 only as image-text-to-text models.
+VLMS = {
+    "gemma3": dict(text_config={**TEXT, "head_dim": 16}, vision_config=SIGLIP, mm_tokens_per_image=4),
+    "qwen2_vl": dict(text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+                     vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)),
+    "mistral3": dict(text_config={**TEXT, "model_type": "mistral", "head_dim": 16},
+                     vision_config={**SIGLIP, "head_dim": 16}),
+}
+
+
+@pytest.mark.parametrize("family", list(VLMS))
+def test_a_vision_language_model_has_its_text_decoder_quantised_and_its_vision_tower_kept(family, text_file,
+                                                                                           tmp_path):
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from tests.conftest import _write_tokenizer
 
+    torch.manual_seed(0)
+    src = tmp_path / family
+    AutoModelForImageTextToText.from_config(AutoConfig.for_model(family, **VLMS[family])).save_pretrained(src)
+    _write_tokenizer(src, 256)
+    out = tmp_path / "q"
+    result = _quantize("--model", str(src), "--method", "gptq", "--scheme", "W4A16", "--group-size", "16",
+                       "--dataset", str(text_file), "--num-samples", "8", "--seq-len", "64", "--output", str(out))
+    assert result.exit_code == 0, result.output
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    source = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
+    consumer = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        a, b = source(input_ids=ids).logits, consumer(input_ids=ids).logits
+        runtime = load_model(out, dtype=torch.float32)(ids).logits.float()
+    torch.testing.assert_close(runtime, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+    assert 0.01 < float((b - a).norm() / a.norm()) < 0.5
+    kept = {n: p for n, p in consumer.named_parameters() if "language_model" not in n and "lm_head" not in n}
+    assert kept and all(torch.equal(p, dict(source.named_parameters())[n]) for n, p in kept.items())
+
+
+def test_what_the_generic_layout_cannot_do_is_refused_in_one_line(generic_models, text_file, tmp_path):
     olmoe = make_tiny_model(tmp_path / "olmoe", "olmoe", num_experts=4, num_experts_per_tok=2)
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=256)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma3")
-    _write_tokenizer(tmp_path / "gemma3", 256)
     cases = [(olmoe, "gptq", "W4A16", "unsupported MoE architecture 'olmoe'"),
-             (tmp_path / "gemma3", "gptq", "W4A16", "a multimodal model"),
              (generic_models["gpt_neox"], "smoothquant+gptq", "W8A8", "smoothquant needs the norm -> linear mappings")]
     for model, method, scheme, needle in cases:
         result = _quantize("--model", str(model), "--method", method, "--scheme", scheme, "--dataset", str(text_file),
