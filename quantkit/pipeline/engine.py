@@ -186,7 +186,7 @@ def _protected_ignore(handle: ModelHandle, plans: list[LayerPlan], user_ignore: 
 
 
 def _outside_linears(handle: ModelHandle) -> list[str]:
-    """Ignore entries for the linears outside the decoder layers besides the head, which stay unquantised: a
+    r"""Ignore entries for the linears outside the decoder layers besides the head, which stay unquantised: a
     multimodal model's vision tower and projector as one pattern each (`re:.*vision_tower\..*`, which matches the
     stored and the loaded names alike), a lone linear beside the layers (OPT's project_in) by its name."""
     if handle.skeleton is None:  # the data-free stream of a registered text model: nothing outside its layers
