@@ -246,7 +246,7 @@ def build_skeleton(path: Path, config, trust_remote_code: bool = False) -> nn.Mo
 
     # A vision-language config (Qwen2-VL, Mistral 3) has no causal-LM class: its image-text-to-text one.
     auto = AutoModelForCausalLM
-    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+    if type(config) not in auto._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
         auto = AutoModelForImageTextToText
     for attention in ("sdpa", "eager"):
         try:

@@ -42,8 +42,8 @@ def output_logits(handle: ModelHandle, dtype: torch.dtype = torch.float32, devic
     prefix = handle.adapter.layers_path.rpartition(".")[0]
     around = [(f"{prefix}.{n}" if prefix else n, c) for n, c in handle.base_model().named_children()
               if c is not layers]
-    around.append((next(n for n, m in handle.skeleton.named_modules() if m is handle.skeleton.get_output_embeddings()),
-                   handle.skeleton.get_output_embeddings()))
+    head = handle.skeleton.get_output_embeddings()
+    around.append((next(n for n, m in handle.skeleton.named_modules() if m is head), head))
     owners = [f"{path}.{n}" if n else path for path, top in around for n, m in top.named_modules()
               if any(p.is_meta for p in m.parameters(recurse=False))]
     handle.materialize_module(emb, dtype=None if device == "cpu" else dtype, device=device, mapped=True)
