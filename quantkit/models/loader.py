@@ -140,14 +140,13 @@ class ModelHandle:
         return self.layer_prefix(i) + self.adapter.to_checkpoint(self._experts_ckpt_name(local_module))
 
     def materialize_module(self, path: str, dtype: torch.dtype | None = torch.float32, device: str = "cpu",
-                           mapped: bool = False, recurse: bool = True) -> nn.Module:
+                           mapped: bool = False) -> nn.Module:
         """Load a top-level module (embeddings, final norm) in place in the skeleton; returns it.
-        `mapped` (CPU, dtype None = as stored) leaves the weights memory-mapped instead of read; `recurse` False
-        loads the module's own parameters only."""
+        `mapped` (CPU, dtype None = as stored) leaves the weights memory-mapped instead of read."""
         module = _get(self.skeleton, path)
         if self._renamed is None:
             self._renamed = renamed_checkpoint_names(self.skeleton, self.index.names())
-        for name, param in list(module.named_parameters(recurse=recurse)):
+        for name, param in list(module.named_parameters()):
             full = f"{path}.{name}"
             full = self._renamed.get(full, full)
             if full not in self.index and name == "weight" and module is self.skeleton.get_output_embeddings():
@@ -162,9 +161,9 @@ class ModelHandle:
             owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
         return module
 
-    def release_module(self, path: str, recurse: bool = True) -> None:
+    def release_module(self, path: str) -> None:
         module = _get(self.skeleton, path)
-        for name, param in list(module.named_parameters(recurse=recurse)):
+        for name, param in list(module.named_parameters()):
             parent, _, leaf = name.rpartition(".")
             owner = _get(module, parent) if parent else module
             owner._parameters[leaf] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
@@ -175,6 +174,14 @@ class ModelHandle:
             if module is emb:
                 return name
         raise InputError("cannot locate the input embedding module")
+
+    def around_layers(self) -> list[str]:
+        """Paths of the base model's modules besides its decoder layers that hold weights still on meta: the
+        embedding, learned positions, norms (not a vision tower, which sits outside the base model)."""
+        prefix = self.adapter.layers_path.rpartition(".")[0]
+        layers = self.layers()
+        return [f"{prefix}.{n}" if prefix else n for n, c in self.base_model().named_children()
+                if c is not layers and any(p.is_meta for p in c.parameters())]
 
     def base_model(self) -> nn.Module:
         """The module that owns the decoder layers (its forward runs embeddings -> layers -> norm)."""
@@ -200,16 +207,18 @@ def open_model(source: ResolvedModel, trust_remote_code: bool = False) -> ModelH
         with init_empty_weights(include_buffers=False):
             skeleton = build_skeleton(source.path, config, trust_remote_code)
     skeleton.eval()
-    adapter = with_stored_layers(adapter_for_model(config, skeleton), skeleton, index.names())
-    return ModelHandle(source, config, adapter, index, skeleton, trust_remote_code)
+    renamed = renamed_checkpoint_names(skeleton, index.names())
+    adapter = with_stored_layers(adapter_for_model(config, skeleton), renamed)
+    return ModelHandle(source, config, adapter, index, skeleton, trust_remote_code, _renamed=renamed)
 
 
-def with_stored_layers(adapter: Adapter, model: nn.Module, names) -> Adapter:
-    """`adapter` with its stored_layers_path set where transformers renames the layers' stored names on load."""
+def with_stored_layers(adapter: Adapter, renamed: dict[str, str]) -> Adapter:
+    """`adapter` with its stored_layers_path set where transformers renames the layers' stored names on load
+    (`renamed`: renamed_checkpoint_names)."""
     import dataclasses
 
     root = adapter.layers_path + "."
-    for module_name, stored in renamed_checkpoint_names(model, names).items():
+    for module_name, stored in renamed.items():
         suffix = module_name[len(adapter.layers_path):]
         if module_name.startswith(root) and stored.endswith(suffix):
             return dataclasses.replace(adapter, stored_layers_path=stored[: len(stored) - len(suffix)])

@@ -50,9 +50,7 @@ def capture_layer_inputs(
     base = handle.base_model()
     # Whatever else the base model holds outside its layers (OPT's learned positions, a norm after the embedding),
     # small next to a layer, is read for the capture and released after it.
-    prefix = handle.adapter.layers_path.rpartition(".")[0]
-    others = [path for path, child in ((f"{prefix}.{n}" if prefix else n, c) for n, c in base.named_children())
-              if child is not layers and path != emb_path and any(p.is_meta for p in child.parameters())]
+    others = [path for path in handle.around_layers() if path != emb_path]
     for path in others:
         handle.materialize_module(path, dtype=dtype, device=device)
     hidden: list[torch.Tensor] = []

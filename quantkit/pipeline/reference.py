@@ -39,17 +39,12 @@ def output_logits(handle: ModelHandle, dtype: torch.dtype = torch.float32, devic
     originals = list(layers)
     emb = handle.embedding_path()
     # What runs around the layers: the base model's other modules and the head (not a vision tower).
-    prefix = handle.adapter.layers_path.rpartition(".")[0]
-    around = [(f"{prefix}.{n}" if prefix else n, c) for n, c in handle.base_model().named_children()
-              if c is not layers]
     head = handle.skeleton.get_output_embeddings()
-    around.append((next(n for n, m in handle.skeleton.named_modules() if m is head), head))
-    owners = [f"{path}.{n}" if n else path for path, top in around for n, m in top.named_modules()
-              if any(p.is_meta for p in m.parameters(recurse=False))]
+    owners = [p for p in handle.around_layers() if p != emb]
+    owners.append(next(n for n, m in handle.skeleton.named_modules() if m is head))
     handle.materialize_module(emb, dtype=None if device == "cpu" else dtype, device=device, mapped=True)
     for name in owners:
-        if name != emb:
-            handle.materialize_module(name, dtype, device, recurse=False)
+        handle.materialize_module(name, dtype, device)
 
     def logits(hidden: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(originals):
@@ -65,7 +60,7 @@ def output_logits(handle: ModelHandle, dtype: torch.dtype = torch.float32, devic
         yield logits
     finally:
         for name in owners:
-            handle.release_module(name, recurse=False)
+            handle.release_module(name)
         handle.release_module(emb)
 
 

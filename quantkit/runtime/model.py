@@ -186,8 +186,9 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
     dtype = resolve_dtype(path, dtype)
     device = torch.device(device)
     index = SafetensorsIndex(path)
-    adapter = with_stored_layers(_generic_adapter(getattr(config, "model_type", "?"), model), model, index.names())
-    handle = ModelHandle(ResolvedModel(path, str(path)), config, adapter, index, model)
+    renamed = renamed_checkpoint_names(model, index.names())
+    adapter = with_stored_layers(_generic_adapter(getattr(config, "model_type", "?"), model), renamed)
+    handle = ModelHandle(ResolvedModel(path, str(path)), config, adapter, index, model, _renamed=renamed)
     try:
         handle.layers()
     except AttributeError:
@@ -220,7 +221,6 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
         formats[fmt.kind] += 1
 
     # Everything else: parameters and persistent buffers the checkpoint holds, in the compute dtype.
-    renamed = renamed_checkpoint_names(model, index.names())
     for name, param in list(model.named_parameters()):
         if param.device.type != "meta":
             continue
