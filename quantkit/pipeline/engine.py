@@ -39,12 +39,14 @@ from quantkit.models.experts import UnfusedExperts
 from quantkit.models.loader import ModelHandle, open_model
 from quantkit.models.source import resolve_model
 from quantkit.pipeline.activations import ActivationStore
+from quantkit.pipeline.attention import use_blocked_attention
 from quantkit.pipeline.grouped import WorkerThreads
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
 from quantkit.distributed import SINGLE, Ranks
 from quantkit.pipeline.journal import Journal
 from quantkit.pipeline.memory import (DevicePeak, activation_placement, layer_working_bytes, peak_rss_bytes,
-                                     release_freed_memory, return_large_frees_to_os)
+                                     release_freed_memory, release_freed_memory_between_layers,
+                                     return_large_frees_to_os)
 from quantkit.compute import choose_compute_dtype, matmul_shapes
 from quantkit.progress import announce, progress_bar
 from quantkit.quant.kv_cache import kv_strategy
@@ -763,6 +765,8 @@ def prepare_run(recipe: Recipe, tp: int | None = None, device: str = "cpu") -> R
     choices = _mixed_choices(q, methods) if q.mixed else None
     resolved = resolve_model(recipe.model.source)
     handle = open_model(resolved, recipe.model.trust_remote_code)
+    if torch.device(device).type == "cpu":
+        use_blocked_attention(handle.skeleton)
     if "smoothquant" in folding and handle.adapter.notes == GENERIC:
         raise InputError(f"smoothquant needs the norm -> linear mappings of {handle.adapter.name!r}, which quantkit "
                          f"does not describe (awq derives checked ones; gptq, rtn and fp8 need none)")
@@ -1376,7 +1380,7 @@ def _layer_loop(run: LayerRun, progress, batches: LayerBatches, start: int) -> N
             if previous and previous != journal.state_layer:
                 shutil.rmtree(run.state_dir / f"gen-{previous:05d}", ignore_errors=True)
         del layer, ctx, modules, params
-        release_freed_memory()
+        release_freed_memory_between_layers(time.time() - t0)
         progress.update(layer_task, advance=1, info=f"rel err {rel:.4f}")
     ranks.at_layer(None)
     ranks.barrier()  # rank 0 renames the folder only once no rank still reads the resume state
