@@ -1,10 +1,11 @@
 """Causal self-attention for the calibration forwards on CPU: torch's SDPA one block of queries at a time.
 
-torch's CPU flash-attention kernel splits the keys in blocks of 512 and skips only whole blocks above the diagonal,
-so at calibration lengths (a few hundred to 512 tokens per sample) it computes the full square of scores. Queries in
-blocks of QUERY_BLOCK rows, each against the keys up to its last row, compute the causal half and a sliver more.
-The arithmetic per score is the kernel's own (fp32 accumulation, the same softmax), so outputs differ from one
-whole-sequence call only by the order of the running softmax's block updates.
+On causal calls of a few hundred tokens torch's CPU flash-attention kernel is slow: ~70 GFLOP/s of useful work for
+SmolLM2's heads at 512 tokens, where bf16 matmuls run at ~800 on the same two cores. Queries in blocks of
+QUERY_BLOCK rows, each against the keys up to its last row under an explicit causal mask, compute the causal part
+and a sliver more, in 0.68-0.87x of the time at 512 tokens (benchmarks/results/attention.md). Each score is computed
+as the kernel computes it (fp32 accumulation, the same softmax); the outputs differ from one whole-sequence call only
+by the order of the running softmax's updates.
 
 Registered with transformers as its own attention implementation (BLOCKED) whose masks are SDPA's; anything but a
 plain causal self-attention of a long enough sequence on CPU (an explicit mask, a KV cache, position bias, another
