@@ -80,7 +80,7 @@ def test_what_it_does_not_handle_goes_to_sdpa_unchanged():
     torch.testing.assert_close(ours.double(), _reference(q, k, v, window), atol=2e-5, rtol=1e-4)
 
 
-def test_a_model_switched_to_it_computes_the_same_logits(tmp_path):
+def test_a_model_switched_to_it_computes_the_same_logits(monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -88,12 +88,24 @@ def test_a_model_switched_to_it_computes_the_same_logits(tmp_path):
                                   max_position_embeddings=1024)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    ids = torch.randint(0, 128, (2, 3 * QUERY_BLOCK + 5))
+    n = 3 * QUERY_BLOCK + 5
+    ids = torch.randint(0, 128, (2, n))
     with torch.no_grad():
         before = model(ids).logits
         assert use_blocked_attention(model)
         assert model.config._attn_implementation == BLOCKED
+        sdpa, blocks = torch.nn.functional.scaled_dot_product_attention, []
+
+        def counting(*args, attn_mask=None, **kwargs):
+            if attn_mask is not None:
+                blocks.append(tuple(attn_mask.shape))
+            return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
         after = model(ids).logits
+    # every layer attended block by block: 4 query blocks each, the last one reaching every key
+    assert blocks == [(QUERY_BLOCK, QUERY_BLOCK), (QUERY_BLOCK, 2 * QUERY_BLOCK), (QUERY_BLOCK, 3 * QUERY_BLOCK),
+                      (5, n)] * 2
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
 
 
