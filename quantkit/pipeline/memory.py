@@ -7,6 +7,7 @@ a test runner, a notebook) would report the parent's size as its own peak.
 
 from __future__ import annotations
 
+import ctypes
 import resource
 
 
@@ -143,8 +144,6 @@ def return_large_frees_to_os() -> None:
     911 MB); glibc's adaptive default (up to 32 MB, only ever rising) kept ~1.3 GB. Below the threshold
     temporaries reuse heap pages; above it each one is a fresh mapping that page-faults on first touch, and
     at 1 MB that made AWQ on SmolLM2 37% slower (169 s vs 107 s)."""
-    import ctypes
-
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, MMAP_THRESHOLD)  # -3 = M_MMAP_THRESHOLD
@@ -166,31 +165,29 @@ PAGE_FAULT_SECONDS = 2.1e-6
 TRIM_TIME_SHARE = 0.05
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
 def _free_heap_bytes() -> int | None:
     """Free bytes inside glibc's heap (mallinfo2's fordblks), None where unknown (not glibc, or older than 2.33)."""
-    import ctypes
-
-    fields = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
-
-    class Info(ctypes.Structure):
-        _fields_ = [(f, ctypes.c_size_t) for f in fields]
-
     try:
         fn = ctypes.CDLL("libc.so.6").mallinfo2
     except (OSError, AttributeError):
         return None
-    fn.restype = Info
+    fn.restype = _MallInfo2
     return int(fn().fordblks)
 
 
 def release_freed_memory_between_layers(layer_seconds: float) -> bool:
-    """gc, and release_freed_memory where re-faulting the freed heap would cost under TRIM_TIME_SHARE of a layer's
+    """gc, then release_freed_memory where re-faulting the freed heap would cost under TRIM_TIME_SHARE of a layer's
     `layer_seconds`. Returns whether it trimmed."""
     import gc
 
+    gc.collect()  # first: what the collection frees is part of the heap the rule weighs
     free = _free_heap_bytes()
     if free is not None and free / 4096 * PAGE_FAULT_SECONDS > TRIM_TIME_SHARE * layer_seconds:
-        gc.collect()
         return False
     release_freed_memory()
     return True
@@ -199,7 +196,6 @@ def release_freed_memory_between_layers(layer_seconds: float) -> bool:
 def release_freed_memory() -> None:
     """Hand freed heap memory back to the OS. glibc keeps freed blocks below its (adaptive, up to 32 MB) mmap
     threshold in the heap, so per-layer tensors of that size would otherwise pile up as resident memory."""
-    import ctypes
     import gc
 
     gc.collect()
