@@ -315,3 +315,44 @@ def test_every_option_the_readme_shows_is_one_the_command_takes():
         assert name in commands, f"README shows `quantkit {name}`, which is not a command"
         taken = {o for p in commands[name].params for o in (*p.opts, *getattr(p, "secondary_opts", []))}
         assert not flags - taken, f"README's `quantkit {name}` shows {sorted(flags - taken)}, which it does not take"
+
+
+def _module_cli(*args, cwd=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "quantkit", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd, env={**os.environ, "QUANTKIT_NO_PROGRESS": "1"})
+
+
+def test_entry_point_exit_codes_and_streams(tmp_path):
+    # The console entry skips the interpreter's teardown (cli._leave): the command's exit code and every byte it
+    # printed must still arrive, on a pipe as on a terminal.
+    version = _module_cli("--version")
+    assert version.returncode == 0 and version.stdout == "quantkit 0.1.0\n", version
+    bad = _module_cli("quantize", "--model", str(tmp_path / "nope"), "--output", str(tmp_path / "o"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "does not exist" in bad.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_entry_point_json_is_whole(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    run = _module_cli("quantize", "--method", "rtn", *_base(tmp_path, tiny_models["llama"]), "--json")
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout[run.stdout.index("{"):])  # the whole document: json.loads rejects a cut one
+    assert summary["output"] == str(out) and (out / "config.json").exists()
+    shown = _module_cli("inspect", str(out), "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout[shown.stdout.index("{"):])
+
+
+def test_entry_point_runs_exit_handlers(tmp_path):
+    # What libraries register with atexit (temporary folders, logging) still runs before the process leaves.
+    import subprocess
+    import sys
+
+    mark = tmp_path / "ran"
+    code = (f"import atexit, sys; atexit.register(lambda: open({str(mark)!r}, 'w').write('yes')); "
+            "sys.argv = ['quantkit', 'inspect', '/nonexistent/checkpoint']; from quantkit.cli import main; main()")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert mark.read_text() == "yes"
