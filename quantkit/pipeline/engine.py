@@ -40,7 +40,6 @@ from quantkit.models.loader import ModelHandle, open_model
 from quantkit.models.source import resolve_model
 from quantkit.pipeline.activations import ActivationStore
 from quantkit.pipeline.attention import use_blocked_attention
-from quantkit.pipeline.grouped import WorkerThreads
 from quantkit.pipeline.capture import capture_layer_inputs, run_layer
 from quantkit.distributed import SINGLE, Ranks
 from quantkit.pipeline.journal import Journal
@@ -274,7 +273,6 @@ class LayerBatches:
     owned: list[int]
     error_batches: int
     ranks: Ranks = SINGLE
-    workers: WorkerThreads | None = None  # the one-pass schedule's batch threads, kept for the whole run
     batch_tokens: int = 0  # tokens in a full batch (0: unknown, every calibration pass covers every batch)
 
     def for_statistics(self, stage: list[Method], observe: bool) -> list[int]:
@@ -563,7 +561,7 @@ def _process_layer_one_pass(layer: nn.Module, ctx: LayerContext, stages: list[li
 
     ctx.kv_absmax.clear()  # the KV cache scales come from this pass: the layer as it will be served
     with torch.no_grad(), ctx.phase("grouped_pass"):
-        grouped.run(batches.owned, forward, on_done=done, workers=batches.workers)
+        grouped.run(batches.owned, forward, on_done=done)
     ctx.phases["grouped_apply"] = ctx.phases.get("grouped_apply", 0.0) + applying["seconds"]
     for h in hooks:
         h.remove()
@@ -1237,9 +1235,8 @@ def _run_layers(run: LayerRun, calib: CalibrationSet, batch_size: int, start: in
         # per-layer gc.collect, which otherwise rescans it every layer (0.15 s each on SmolLM2).
         gc.freeze()
         try:
-            with WorkerThreads() as workers:
-                _layer_loop(run, progress, LayerBatches(acts, calls, owned, run.error_batches, ranks, workers,
-                                                        batch_size * ids.shape[1]), start)
+            _layer_loop(run, progress, LayerBatches(acts, calls, owned, run.error_batches, ranks,
+                                                    batch_tokens=batch_size * ids.shape[1]), start)
         finally:
             gc.unfreeze()
 

@@ -4,26 +4,25 @@ and the pass that gathers a group's statistics is the same pass that feeds the n
 
 A group is the set of linears that read one input tensor; the order and the groups are read off one probe
 forward of the layer (the unquantised reference forward of the first error-measuring batch, which the run needs
-anyway), so any architecture's layer order is learned, not listed. Each batch's forward runs in its own thread,
-but only one runs at a time, in batch order: a batch that reaches a group not yet quantised records its
-statistics (the methods' hooks) and hands over to the next batch; when the last batch has arrived, the group is
-quantised and batch 0 resumes. The same batches in the same order feed the same sums as a sequential loop, so
-the result does not depend on thread timing.
+anyway), so any architecture's layer order is learned, not listed. Each batch's forward runs as a greenlet (a
+stack of its own, all on the calling thread), one at a time, in batch order: a batch that reaches a group not yet
+quantised records its statistics (the methods' hooks) and switches back to the scheduler, which runs the next
+batch; when every live batch waits, the groups they wait at are quantised and batch 0 resumes. The same batches in
+the same order feed the same sums as a sequential loop.
+
+Greenlets, not threads: every thread that runs torch ops gets an OpenMP thread pool of its own, and while more
+OpenMP threads exist than CPUs libgomp cuts its barrier spin short, so each parallel region waits on a futex
+wake-up. With a thread per batch (the previous design) a SmolLM2 one-pass GPTQ 64 x 512 took 46-56 s; on one
+thread the same bytes take 39-41 s (two runs each, in turn, same machine; README).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-from contextlib import ExitStack
 from typing import Callable
 
 import torch
+from greenlet import getcurrent, greenlet
 from torch import nn
-
-
-class Cancelled(Exception):
-    """Raised inside a paused forward when another batch's forward failed: unwinds it quietly."""
 
 
 def probe_groups(targets: dict[str, nn.Module], forward: Callable[[], torch.Tensor], inputs: list | None = None):
@@ -59,56 +58,6 @@ def probe_groups(targets: dict[str, nn.Module], forward: Callable[[], torch.Tens
     return out, groups
 
 
-class WorkerThreads:
-    """Long-lived threads that run a list of jobs concurrently, one thread per job, reused from layer to layer.
-
-    A thread's first forward pays one-time costs (its OpenMP team, oneDNN's per-thread state): measured on a
-    SmolLM2 layer, 0.048 s per batch on a fresh thread against 0.040 s on one that has run before, which a
-    thread per batch and layer pays every time. Use as a context manager; `close` ends the threads."""
-
-    def __init__(self) -> None:
-        self._inboxes: list[queue.SimpleQueue] = []
-        self._threads: list[threading.Thread] = []
-
-    def __enter__(self) -> "WorkerThreads":
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        # After an error (an interrupt included) a thread may still wait inside a job: it is a daemon, so it is
-        # told to stop and left to end, not joined.
-        self.close(join=exc_type is None)
-
-    def _serve(self, inbox: queue.SimpleQueue) -> None:
-        while (job := inbox.get()) is not None:
-            fn, done = job
-            try:
-                fn()  # jobs handle their own errors (GroupedPass hands them to the caller)
-            finally:
-                done.release()
-
-    def run_all(self, jobs: list[Callable[[], None]]) -> None:
-        """Run every job on its own thread, all at once; return when all have returned."""
-        while len(self._threads) < len(jobs):
-            inbox: queue.SimpleQueue = queue.SimpleQueue()
-            t = threading.Thread(target=self._serve, args=(inbox,), name=f"quantkit-batch-{len(self._threads)}",
-                                 daemon=True)
-            t.start()
-            self._inboxes.append(inbox)
-            self._threads.append(t)
-        done = threading.Semaphore(0)
-        for inbox, fn in zip(self._inboxes, jobs):
-            inbox.put((fn, done))
-        for _ in jobs:
-            done.acquire()
-
-    def close(self, join: bool = True) -> None:
-        for inbox in self._inboxes:
-            inbox.put(None)
-        for t in self._threads if join else []:
-            t.join()
-        self._inboxes, self._threads = [], []
-
-
 class GroupedPass:
     """Runs `forward(j)` for every batch j, pausing all of them at the first linear of each group until every
     batch has passed its statistics, then calling `apply_group(names)` once and resuming."""
@@ -116,77 +65,53 @@ class GroupedPass:
     def __init__(self, groups: list[list[str]], apply_group: Callable[[list[str]], None]):
         self.groups = groups
         self.apply_group = apply_group
-        # One lock; each batch waits on a condition of its own over it, so a handover wakes only the batch whose
-        # turn it is instead of every paused thread (each would take the lock and the GIL to re-check).
-        self._lock = threading.Lock()
-        self._conds: dict[int, threading.Condition] = {}
-        self._local = threading.local()
-        self._turn: int | None = None
-        self._alive: list[int] = []
+        self._scheduler: greenlet | None = None  # the caller's greenlet while `run` runs
+        self._running: tuple[int, greenlet] | None = None  # the batch that runs now, and its greenlet
         self._waiting: dict[int, int] = {}  # batch -> group index it waits at
         self._inputs: dict[int, torch.Tensor] = {}  # batch -> the input it waits with
         self._done: set[int] = set()
-        self._error: BaseException | None = None
 
     def gate(self, index: int):
-        """A forward pre-hook for the first linear of group `index`; register it after the statistics hooks."""
+        """A forward pre-hook for the first linear of group `index`; register it after the statistics hooks.
+        Outside `run`, and in forwards that `apply_group` itself runs, it does nothing."""
 
         def hook(module, args):
-            batch = getattr(self._local, "batch", None)
-            if batch is not None:
-                self._arrive(batch, index, args[0])
+            running = self._running
+            if running is not None and getcurrent() is running[1] and index not in self._done:
+                self._pause(running[0], index, args[0])
 
         return hook
 
-    def run(self, batches: list[int], forward: Callable[[int], torch.Tensor], on_done=None,
-            workers: WorkerThreads | None = None) -> dict[int, torch.Tensor]:
+    def run(self, batches: list[int], forward: Callable[[int], torch.Tensor], on_done=None) -> dict[int, torch.Tensor]:
         """Every batch's output, or (with `on_done(j, output)`, called as each batch finishes, in batch order)
-        nothing: the caller takes each output as it comes. `workers`: the threads to run the batches on (a
-        run's, kept from layer to layer); by default threads of this call's own."""
+        nothing: the caller takes each output as it comes. Torch's thread-local modes (grad, autocast) are the
+        caller's: every batch runs on the caller's thread."""
         outputs: dict[int, torch.Tensor] = {}
-        grad, autocast = torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")
-        autocast_dtype = torch.get_autocast_dtype("cpu")
-        self._alive = list(batches)
-        self._conds = {j: threading.Condition(self._lock) for j in batches}
-        self._turn = batches[0] if batches else None
-
-        def worker(j: int) -> None:
-            self._local.batch = j
-            try:
-                with self._lock:
-                    self._conds[j].wait_for(lambda: self._error is not None or self._turn == j)
-                    if self._error is not None:
-                        return
-                with ExitStack() as stack:  # grad mode and autocast are per thread
-                    stack.enter_context(torch.set_grad_enabled(grad))
-                    stack.enter_context(torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast))
-                    out = forward(j)
-            except Cancelled:
-                return
-            except BaseException as exc:  # handed to the caller's thread
-                with self._lock:
-                    self._fail(exc)
-                return
-            with self._lock:
-                try:
-                    if on_done is None:
-                        outputs[j] = out
-                    else:
-                        on_done(j, out)
-                except BaseException as exc:
-                    self._fail(exc)
-                    return
-                self._alive.remove(j)
-                self._handover(j)
-
-        jobs = [lambda j=j: worker(j) for j in batches]
-        if workers is not None:
-            workers.run_all(jobs)
-        else:
-            with WorkerThreads() as own:
-                own.run_all(jobs)
-        if self._error is not None:
-            raise self._error
+        self._scheduler = getcurrent()
+        glets = {j: greenlet(lambda j=j: forward(j), parent=self._scheduler) for j in batches}
+        alive = list(batches)
+        try:
+            while alive:
+                for j in list(alive):
+                    self._running = (j, glets[j])
+                    out = glets[j].switch()
+                    self._running = None
+                    if glets[j].dead:
+                        alive.remove(j)
+                        if on_done is None:
+                            outputs[j] = out
+                        else:
+                            on_done(j, out)
+                for index in sorted(set(self._waiting.values())):  # every live batch waits: quantise, resume
+                    self.apply_group(self.groups[index])
+                    self._done.add(index)
+        except BaseException:
+            for g in glets.values():  # unwind the paused forwards (their finally blocks run) before raising
+                if not g.dead:
+                    g.throw()
+            raise
+        finally:
+            self._scheduler = self._running = None
         unapplied = [i for i in range(len(self.groups)) if i not in self._done]
         for i in unapplied:  # groups no batch reached (an empty batch list): quantised from what they have
             self.apply_group(self.groups[i])
@@ -196,39 +121,10 @@ class GroupedPass:
         """The inputs the batches waiting at group `index` hold (for `apply_group`, which runs while they wait)."""
         return [self._inputs[b] for b, i in self._waiting.items() if i == index]
 
-    def _arrive(self, batch: int, index: int, x: torch.Tensor) -> None:
-        with self._lock:
-            if index in self._done:
-                return
-            self._waiting[batch] = index
-            self._inputs[batch] = x
-            self._handover(batch)
-            self._conds[batch].wait_for(lambda: self._error is not None or (self._turn == batch and index in self._done))
+    def _pause(self, batch: int, index: int, x: torch.Tensor) -> None:
+        self._waiting[batch] = index
+        self._inputs[batch] = x
+        try:
+            self._scheduler.switch()
+        finally:
             del self._waiting[batch], self._inputs[batch]
-            if self._error is not None:
-                raise Cancelled
-
-    def _handover(self, batch: int) -> None:
-        """Called by the running batch (lock held) when it pauses or finishes: the next batch runs, or, when every
-        live batch waits, the groups they wait at are quantised (in this thread) and the first batch resumes."""
-        later = [k for k in self._alive if k > batch]
-        if later:
-            self._turn = later[0]
-        elif self._alive:
-            try:
-                for index in sorted(set(self._waiting.values())):
-                    self.apply_group(self.groups[index])
-                    self._done.add(index)
-            except BaseException as exc:
-                self._fail(exc)
-                return
-            self._turn = self._alive[0]
-        if self._turn in self._conds:
-            self._conds[self._turn].notify()
-
-    def _fail(self, exc: BaseException) -> None:
-        """Record the first error (lock held) and wake every batch, so each unwinds."""
-        if self._error is None:
-            self._error = exc
-        for cond in self._conds.values():
-            cond.notify()

@@ -12,7 +12,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from quantkit.cli import app
-from quantkit.pipeline.grouped import GroupedPass, WorkerThreads, probe_groups
+from quantkit.pipeline.grouped import GroupedPass, probe_groups
 
 runner = CliRunner()
 
@@ -115,40 +115,68 @@ def test_a_failing_batch_stops_the_pass_with_its_error():
         h.remove()
 
 
-def test_worker_threads_serve_pass_after_pass_even_after_a_failed_one():
-    """A run keeps one set of batch threads for all its layers: a pass on reused threads gives what a pass on
-    fresh ones gives, a failed pass leaves them usable, and more batches than threads grows the set."""
-    xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(j)) for j in range(6)]
+def test_batches_run_on_the_calling_thread_and_a_failure_unwinds_the_paused_ones():
+    """One thread for every batch (one OpenMP pool: see the module docstring), the caller's grad mode inside each
+    batch, and after a failing batch the paused ones unwind (their finally blocks run) before the error is raised;
+    the next pass is unaffected."""
+    import threading
 
-    def one_pass(batches, workers, fail_at=None):
+    xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(j)) for j in range(4)]
+
+    def one_pass(fail_at=None, seen=None, unwound=None):
         m = Chain()
         targets = _targets(m)
         grouped = GroupedPass([["a", "b"], ["c"], ["d"]], lambda names: None)
         hooks = [targets[g].register_forward_pre_hook(grouped.gate(i)) for i, g in enumerate(["a", "c", "d"])]
 
         def forward(j):
-            if j == fail_at:
-                raise ValueError(f"batch {j} is broken")
-            return m(xs[j])
+            if seen is not None:
+                seen.append((threading.get_ident(), torch.is_grad_enabled()))
+            try:
+                if j == fail_at:
+                    m.a(xs[j])  # pauses at the first group like the others, then fails after it resumes
+                    raise ValueError(f"batch {j} is broken")
+                return m(xs[j])
+            finally:
+                if unwound is not None:
+                    unwound.append(j)
 
         try:
             with torch.no_grad():
-                return grouped.run(batches, forward, workers=workers)
+                return grouped.run(list(range(4)), forward)
         finally:
             for h in hooks:
                 h.remove()
 
-    fresh = one_pass(list(range(4)), None)
-    with WorkerThreads() as workers:
-        first = one_pass(list(range(4)), workers)
-        with pytest.raises(ValueError, match="batch 1 is broken"):
-            one_pass(list(range(4)), workers, fail_at=1)
-        again = one_pass(list(range(4)), workers)
-        more = one_pass(list(range(6)), workers)
-        assert len(workers._threads) == 6
+    seen: list = []
+    first = one_pass(seen=seen)
+    assert seen == [(threading.get_ident(), False)] * 4
+    unwound: list = []
+    with pytest.raises(ValueError, match="batch 1 is broken"):
+        one_pass(fail_at=1, unwound=unwound)
+    assert sorted(unwound) == [0, 1, 2, 3]  # batch 1 failed; 0, 2 and 3 were paused and unwound
+    again = one_pass()
     for j in range(4):
-        assert torch.equal(first[j], fresh[j]) and torch.equal(again[j], fresh[j]) and torch.equal(more[j], fresh[j])
-    assert sorted(more) == list(range(6))
+        assert torch.equal(first[j], again[j])
+
+
+def test_forwards_run_by_apply_group_pass_the_gates():
+    """A method's apply may run the block itself (a loss over candidate scales): its forward must not pause."""
+    m = Chain()
+    targets = _targets(m)
+    calls = []
+
+    def apply_group(names):
+        calls.append(tuple(names))
+        m(torch.randn(2, 8))  # through every gate, on the scheduler's stack
+
+    grouped = GroupedPass([["a", "b"], ["c"], ["d"]], apply_group)
+    hooks = [targets[g].register_forward_pre_hook(grouped.gate(i)) for i, g in enumerate(["a", "c", "d"])]
+    with torch.no_grad():
+        out = grouped.run([0, 1], lambda j: m(torch.randn(3, 8)))
+    for h in hooks:
+        h.remove()
+    assert calls == [("a", "b"), ("c",), ("d",)] and sorted(out) == [0, 1]
 
 
 def test_one_pass_first_group_equals_two_pass(tmp_path, tiny_models, text_file):
