@@ -12,8 +12,7 @@ the same order feed the same sums as a sequential loop.
 
 Greenlets, not threads: every thread that runs torch ops gets an OpenMP thread pool of its own, and while more
 OpenMP threads exist than CPUs libgomp cuts its barrier spin short, so each parallel region waits on a futex
-wake-up. With a thread per batch (the previous design) a SmolLM2 one-pass GPTQ 64 x 512 took 46-56 s; on one
-thread the same bytes take 39-41 s (two runs each, in turn, same machine; README).
+wake-up. A thread per batch made every op of the pass slower (README, "one-pass").
 """
 
 from __future__ import annotations
