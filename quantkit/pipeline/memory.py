@@ -190,7 +190,7 @@ def release_freed_memory_between_layers(layer_seconds: float) -> bool:
     free = _free_heap_bytes()
     if free is not None and free / 4096 * PAGE_FAULT_SECONDS > TRIM_TIME_SHARE * layer_seconds:
         return False
-    release_freed_memory()
+    _trim_heap()  # the collection above already ran
     return True
 
 
@@ -200,6 +200,10 @@ def release_freed_memory() -> None:
     import gc
 
     gc.collect()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
