@@ -8,6 +8,7 @@ a test runner, a notebook) would report the parent's size as its own peak.
 from __future__ import annotations
 
 import ctypes
+import functools
 import resource
 
 
@@ -171,14 +172,21 @@ class _MallInfo2(ctypes.Structure):
                 "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
 
 
-def _free_heap_bytes() -> int | None:
-    """Free bytes inside glibc's heap (mallinfo2's fordblks), None where unknown (not glibc, or older than 2.33)."""
+@functools.cache
+def _mallinfo2():
+    """glibc's mallinfo2, typed once; None where there is none (not glibc, or older than 2.33)."""
     try:
         fn = ctypes.CDLL("libc.so.6").mallinfo2
     except (OSError, AttributeError):
         return None
     fn.restype = _MallInfo2
-    return int(fn().fordblks)
+    return fn
+
+
+def _free_heap_bytes() -> int | None:
+    """Free bytes inside glibc's heap (mallinfo2's fordblks), None where unknown."""
+    fn = _mallinfo2()
+    return None if fn is None else int(fn().fordblks)
 
 
 def release_freed_memory_between_layers(layer_seconds: float) -> bool:
