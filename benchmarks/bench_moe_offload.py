@@ -3,6 +3,7 @@ work folder) decoded greedily with experts offloaded at one cache size, LRU with
 decoded --repeats times from a fresh load, the rows in turn, median and spread reported.
 
     python benchmarks/bench_moe_offload.py [--cache 8] [--repeats 7] [--tokens 64] [--reads page-cache,storage]
+                                           [--model DIR] [--results NAME]
 
 Why: bench_moe.py's rows are medians of 3 decodes, and rows that load experts the same way differ there by more than
 prefetch changes. Each row runs per read source: `page-cache` (the checkpoint in memory: a load is a memory copy,
@@ -31,13 +32,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reads", default="page-cache,storage", help="read sources, comma-separated")
+    ap.add_argument("--model", type=Path, help="an MoE checkpoint (default: the MoE of bench_moe.py's --work)")
+    ap.add_argument("--results", default="moe_offload", help="results file name in benchmarks/results/")
     args = ap.parse_args()
     os.environ.setdefault("QUANTKIT_NO_PROGRESS", "1")
     from common import bench_moe_model, machine_line, write_results
     from quantkit.eval.moe import MoEEvalOptions
     from quantkit.eval.runner import EvalOptions, run_eval
 
-    moe = bench_moe_model(args.work)
+    moe = args.model or bench_moe_model(args.work)
+    if not (moe / "config.json").is_file():
+        sys.exit(f"error: {moe} has no config.json")
     load = {"before": os.getloadavg()[0]}
     started = time.time()
     runs = (("lru", ""), ("lru", "overlap"), ("lru", "sync"))
@@ -66,7 +71,7 @@ def main() -> None:
         for name in ("lru+prefetch", "lru+prefetch-sync"):
             lines.append(f"- reads from {reads}: {name} against LRU: {by[name]['decode_tok_s'] / lru:.3f}x decode "
                          f"speed; hit rate {by['lru']['hit_rate']} -> {by[name]['hit_rate']}.")
-    write_results("moe_offload", payload, "\n".join(lines) + "\n")
+    write_results(args.results, payload, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -165,14 +165,31 @@ def test_an_unknown_read_source_is_refused(tiny_models):
         install_offload(rt, OffloadOptions(2, "lru", reads="disk"))
 
 
-def test_offloaded_quantised_experts_give_back_their_kernel_tensors(quantised):
-    # A prepared QuantLinear holds its kernel's tensors, not the checkpoint's: offloading must drop those too.
+def test_offloaded_quantised_experts_give_back_their_kernel_tensors(quantised, tmp_path, monkeypatch):
+    """A prepared QuantLinear holds its kernel's tensors, not the checkpoint's: offloading must drop those too. They
+    are kept in the kernel's layout in a scratch file (unlinked at once), and a load reads them back as they were:
+    no kernel is prepared again, and the logits are the resident model's."""
+    from quantkit.runtime import dispatch
+    from quantkit.runtime.linear import QuantLinear
+
+    ref, _ = greedy_decode(load_model(quantised), PROMPT, 12)
     rt = load_model(quantised)
     before = rt.resident_weight_bytes
-    cache = install_offload(rt, OffloadOptions(2, "lru"))
+    cache = install_offload(rt, OffloadOptions(2, "lru", scratch_dir=str(tmp_path)))
     assert rt.resident_weight_bytes < before
-    for template in cache.templates.values():
-        assert all(m.prepared is None for m in template.modules() if hasattr(m, "prepared"))
+    linears = [m for t in cache.templates.values() for m in t.modules() if isinstance(m, QuantLinear)]
+    if not any(m.kernel is not None for m in linears):
+        pytest.skip("no CPU kernel serves these linears here: they run the reference")
+    assert all(t.is_meta for m in linears if m.kernel is not None for t in m.prepared.tensors())
+    assert cache.stored and list(tmp_path.iterdir()) == []
+
+    def prepare(*args, **kwargs):
+        raise AssertionError("a load prepared a kernel")
+
+    monkeypatch.setattr(dispatch, "prepare_layer", prepare)
+    got, _ = greedy_decode(rt, PROMPT, 12)
+    assert cache.stats.loads > 0 and torch.equal(got, ref)
+    cache.remove()
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "qwen3_moe"])
