@@ -66,7 +66,9 @@ class OffloadOptions:
     trace_decay: float = 0.9  # trace policy: weight of a request after each further request in the layer
     profile_weight: float = 1.0  # trace policy: weight of the routing-profile frequency (scaled to requests)
     reads: str = "page-cache"  # READS
-    scratch_dir: str | None = None  # where quantised experts' prepared kernel tensors are kept (None: temp folder)
+    # Where quantised experts' prepared kernel tensors are kept (None: the temporary folder): about the quantised
+    # experts' size on disk; a temporary folder in memory (tmpfs) would hold them in RAM.
+    scratch_dir: str | None = None
 
     def check(self, num_experts: int, top_k: int) -> None:
         if self.policy not in POLICIES:
@@ -227,7 +229,7 @@ class ExpertCache:
             self._fds[key] = fd
             self._scratch = (key, fd, [0])
         key, fd, end = self._scratch
-        t = getattr(child.prepared, field).detach().contiguous()
+        t = getattr(child.prepared, field).detach().contiguous().cpu()
         data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
         at = -(-end[0] // 64) * 64  # 64-byte aligned, as torch allocates
         done = 0
@@ -235,6 +237,16 @@ class ExpertCache:
             done += os.pwrite(fd, memoryview(data)[done:], at + done)
         end[0] = at + len(data)
         self.stored[name] = TensorInfo(key, DTYPE_NAMES[t.dtype], tuple(t.shape), len(data), at)
+
+    def _read(self, name: str, info: TensorInfo) -> torch.Tensor:
+        """A stored tensor as a new CPU tensor, for a destination its bytes cannot go to directly (another device)."""
+        if name not in self.stored:
+            return self.index.get(name)
+        out = torch.empty(info.shape, dtype=DTYPES[info.dtype])
+        if info.nbytes:
+            _pread_all([(self._fds[info.file], memoryview(out.reshape(-1).view(torch.uint8).numpy()), info.offset,
+                         name)])
+        return out
 
     def _plan_entry(self, module: nn.Module, child_name: str, leaf: str, name: str, kind: str) -> tuple:
         """(child, leaf, stored name, info, kept as stored, dtype in the module, kind) of one expert tensor:
@@ -310,7 +322,7 @@ class ExpertCache:
                 reads.append((fd, view, info.offset, ckpt))
             elif info.nbytes:
                 with torch.no_grad():
-                    dest.copy_(self.index.get(ckpt))
+                    dest.copy_(self._read(ckpt, info))
             moved += info.nbytes
         if all(r is not None for *_, r in dests):  # only byte views: the plan can be replayed
             module.__dict__.setdefault("_offload_reads", {})[expert] = (reads, moved)

@@ -218,3 +218,17 @@ def test_folded_router_ranks_as_the_routing_and_refuses_other_norms(tiny_models,
                 return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
         assert folded_router(block, OnePlus(norm.weight.detach().clone())) is None
+
+
+def test_destinations_that_take_no_direct_read_get_a_copy_of_the_stored_bytes(quantised, monkeypatch):
+    """Where a tensor's bytes cannot be read into its destination (a GPU tensor, another dtype), the stored tensor,
+    checkpoint's or kernel's, is read into a CPU tensor and copied: the logits stay the resident model's."""
+    from quantkit.runtime import offload
+
+    ref, _ = greedy_decode(load_model(quantised), PROMPT, 12)
+    rt = load_model(quantised)
+    cache = install_offload(rt, OffloadOptions(2, "lru"))
+    monkeypatch.setattr(offload.ExpertCache, "_byte_view", lambda self, name, info, dest: None)
+    got, _ = greedy_decode(rt, PROMPT, 12)
+    assert cache.stats.loads > 0 and torch.equal(got, ref)
+    cache.remove()
