@@ -16,7 +16,8 @@ layout: when offloading starts, each expert's prepared kernel tensors (what the 
 are written once to a scratch file (`OffloadOptions.scratch_dir`, else the system's temporary folder; deleted
 when the cache is removed, or with the process), and a load reads those bytes back. Re-preparing the kernel on
 every load instead cost more than the read (SmolLM2 MoE, GPTQ W4A16: ~180 us per linear against ~35 us for an
-expert's read). Either way the offloaded model computes bit for bit what the resident one does.
+expert's read); it is still done for layouts that hold tensors outside their fields (`_plain_layout`). Either way
+the offloaded model computes bit for bit what the resident one does.
 
 Prefetch (`prefetch=True`, after MoE-SpeQ's draft-predicted experts): when decoder layer l finishes, a draft
 predicts layer l+1's experts by running layer l+1's own post-attention norm and (unquantised) router on the
@@ -50,6 +51,7 @@ from torch import nn
 from quantkit.errors import InputError
 from quantkit.models.safetensors_index import DTYPE_NAMES, DTYPES, TensorInfo
 from quantkit.models.experts import UnfusedExperts
+from quantkit.runtime import dispatch
 from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS
 from quantkit.runtime.linear import QuantLinear, dense_parameter
 
@@ -111,7 +113,7 @@ def _expert_tensors(module: nn.Module, prefix: str, index) -> list[tuple[str, st
     for name, child in module.named_modules():
         base = f"{prefix}.{name}" if name else prefix
         own = [(leaf, PARAM) for leaf, p in child._parameters.items() if p is not None]
-        if isinstance(child, QuantLinear) and child.prepared is not None:
+        if isinstance(child, QuantLinear) and _plain_layout(child.prepared):
             out += [(name, f.name, f"{base}#prepared.{f.name}", PREPARED) for f in dataclasses.fields(child.prepared)
                     if isinstance(getattr(child.prepared, f.name), torch.Tensor)]
         elif isinstance(child, QuantLinear):
@@ -120,6 +122,17 @@ def _expert_tensors(module: nn.Module, prefix: str, index) -> list[tuple[str, st
             own += [(leaf, BUFFER) for leaf, b in child._buffers.items() if b is not None]
         out += [(name, leaf, f"{base}.{leaf}", kind) for leaf, kind in own]
     return out
+
+
+def _plain_layout(prepared) -> bool:
+    """Whether a kernel's layout holds its tensors in its own fields only (then they can be stored and read back
+    field by field). A layout that also keeps tensors elsewhere (the CUDA kernels' checkpoint tensors, for their
+    reference fallback) is prepared again after each load instead."""
+    if prepared is None:
+        return False
+    fields = {id(getattr(prepared, f.name)) for f in dataclasses.fields(prepared)
+              if isinstance(getattr(prepared, f.name), torch.Tensor)}
+    return {id(t) for t in prepared.tensors()} <= fields
 
 
 class _Standin(nn.Module):
@@ -336,13 +349,27 @@ class ExpertCache:
             return None
         return memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
 
+    def _finish(self, module: nn.Module) -> None:
+        """Prepare again the kernels whose layout is not read back (`_plain_layout`), on the decoding thread (kernel
+        packing is OpenMP work that would fight the layer's own compute for the cores). Which children need it is
+        found once per module."""
+        again = module.__dict__.get("_offload_again")
+        if again is None:
+            again = module.__dict__["_offload_again"] = [
+                c for c in module.modules() if isinstance(c, QuantLinear) and getattr(c, "_offload_kernels", False)]
+        for child in again:
+            child.kernel, child.prepared = None, None
+            dispatch.prepare_layer(child, "auto")
+
     def _load(self, layer: int, expert: int, demand: bool, count: bool = True, keep=()) -> nn.Module | None:
         """Read `expert` into a slot on the calling thread and file it; None when no slot is free."""
         module = self._slot(layer, expert, keep)
         if module is None:
             return None
         moved, seconds = self._fill(layer, expert, module)
-        return self._insert(layer, expert, module, moved, seconds, demand, count)
+        start = time.perf_counter()
+        self._finish(module)
+        return self._insert(layer, expert, module, moved, seconds + time.perf_counter() - start, demand, count)
 
     def _collect(self, layer: int, expert: int) -> nn.Module:
         """File a prefetch into the cache, waiting for its read if it is still in flight."""
@@ -351,7 +378,9 @@ class ExpertCache:
         if getattr(future, "counted", False):
             seconds = 0.0
         future.counted = True
-        return self._insert(layer, expert, module, moved, seconds, demand=False)
+        start = time.perf_counter()
+        self._finish(module)
+        return self._insert(layer, expert, module, moved, seconds + time.perf_counter() - start, demand=False)
 
     def _insert(self, layer: int, expert: int, module: nn.Module, moved: int, seconds: float, demand: bool,
                 count: bool = True) -> nn.Module:
@@ -590,7 +619,10 @@ def _stripped(module: nn.Module, entries, kernels: dict[int, object]) -> nn.Modu
         else:
             child._buffers[leaf] = None
     for child in module.modules():
-        if isinstance(child, QuantLinear) and child.kernel is not None:
+        if isinstance(child, QuantLinear) and child.kernel is not None and not _plain_layout(child.prepared):
+            child._offload_kernels = True  # prepared again after each load (_finish)
+            child.kernel, child.prepared = None, None  # the kernel's tensors go with the checkpoint's
+        elif isinstance(child, QuantLinear) and child.kernel is not None:
             kernels[id(child.kernel)] = child.kernel
     return module
 

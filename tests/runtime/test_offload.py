@@ -232,3 +232,22 @@ def test_destinations_that_take_no_direct_read_get_a_copy_of_the_stored_bytes(qu
     got, _ = greedy_decode(rt, PROMPT, 12)
     assert cache.stats.loads > 0 and torch.equal(got, ref)
     cache.remove()
+
+
+def test_kernel_layouts_that_hold_other_tensors_are_prepared_again_after_each_load(quantised, monkeypatch):
+    """A layout keeping tensors outside its fields (the CUDA kernels' checkpoint copy) cannot be stored field by
+    field: its expert reads the checkpoint's tensors and prepares the kernel again; the logits stay the resident's."""
+    from quantkit.runtime import dispatch, offload
+
+    ref, _ = greedy_decode(load_model(quantised), PROMPT, 12)
+    monkeypatch.setattr(offload, "_plain_layout", lambda prepared: False)
+    prepared = []
+    real = dispatch.prepare_layer
+    monkeypatch.setattr(dispatch, "prepare_layer", lambda layer, *a: prepared.append(layer) or real(layer, *a))
+    rt = load_model(quantised)
+    cache = install_offload(rt, OffloadOptions(2, "lru"))
+    assert not cache.stored
+    prepared.clear()  # the load's own preparation
+    got, _ = greedy_decode(rt, PROMPT, 12)
+    assert cache.stats.loads > 0 and prepared and torch.equal(got, ref)
+    cache.remove()
