@@ -125,14 +125,14 @@ def _expert_tensors(module: nn.Module, prefix: str, index) -> list[tuple[str, st
 
 
 def _plain_layout(prepared) -> bool:
-    """Whether a kernel's layout holds its tensors in its own fields only (then they can be stored and read back
-    field by field). A layout that also keeps tensors elsewhere (the CUDA kernels' checkpoint tensors, for their
-    reference fallback) is prepared again after each load instead."""
+    """Whether a kernel's layout holds its tensors in its own fields only, each of a dtype safetensors names (then
+    they can be stored and read back field by field). A layout that also keeps tensors elsewhere (the CUDA kernels'
+    checkpoint tensors, for their reference fallback) is prepared again after each load instead."""
     if prepared is None:
         return False
-    fields = {id(getattr(prepared, f.name)) for f in dataclasses.fields(prepared)
-              if isinstance(getattr(prepared, f.name), torch.Tensor)}
-    return {id(t) for t in prepared.tensors()} <= fields
+    fields = [t for f in dataclasses.fields(prepared) if isinstance(t := getattr(prepared, f.name), torch.Tensor)]
+    return ({id(t) for t in prepared.tensors()} <= {id(t) for t in fields}
+            and all(t.dtype in DTYPE_NAMES for t in fields))
 
 
 class _Standin(nn.Module):
@@ -236,7 +236,11 @@ class ExpertCache:
         """Append one prepared kernel tensor to the scratch file (created at the first; unlinked at once, so the
         process's exit removes it whatever happens) and record where it lies."""
         if self._scratch is None:
-            fd, path = tempfile.mkstemp(prefix="quantkit-offload-", suffix=".bin", dir=self.opts.scratch_dir)
+            try:
+                fd, path = tempfile.mkstemp(prefix="quantkit-offload-", suffix=".bin", dir=self.opts.scratch_dir)
+            except OSError as exc:
+                where = self.opts.scratch_dir or tempfile.gettempdir()
+                raise InputError(f"cannot create the offload scratch file in {where}: {exc.strerror}") from None
             os.unlink(path)
             key = f"<prepared experts {path}>"
             self._fds[key] = fd
@@ -603,7 +607,11 @@ def _disk_prefix(adapter, module_name: str, expert: int) -> str:
 
 def _holder(child: nn.Module, kind: str) -> dict:
     """The dict an expert tensor of `kind` lives in: the module's parameters or buffers, or its kernel's fields."""
-    return {PARAM: child._parameters, BUFFER: child._buffers}.get(kind) or vars(child.prepared)
+    if kind == PARAM:
+        return child._parameters
+    if kind == BUFFER:
+        return child._buffers
+    return vars(child.prepared)
 
 
 def _stripped(module: nn.Module, entries, kernels: dict[int, object]) -> nn.Module:

@@ -251,3 +251,13 @@ def test_kernel_layouts_that_hold_other_tensors_are_prepared_again_after_each_lo
     got, _ = greedy_decode(rt, PROMPT, 12)
     assert cache.stats.loads > 0 and prepared and torch.equal(got, ref)
     cache.remove()
+
+
+def test_a_scratch_folder_that_cannot_take_the_kernel_layouts_is_one_line(quantised, tmp_path):
+    from quantkit.runtime.linear import QuantLinear
+
+    rt = load_model(quantised)
+    if all(m.kernel is None for m in rt.model.modules() if isinstance(m, QuantLinear)):
+        pytest.skip("no CPU kernel serves these linears here: nothing goes to a scratch file")
+    with pytest.raises(InputError, match="cannot create the offload scratch file in .*missing"):
+        install_offload(rt, OffloadOptions(2, "lru", scratch_dir=str(tmp_path / "missing")))
