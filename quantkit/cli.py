@@ -491,6 +491,7 @@ def eval_cmd(
     moe_samples: int = typer.Option(8, "--moe-samples", help="Token blocks (the first of the eval set) for the --moe drift, capacity, bias and offload runs."),
     offload_cache: Optional[list[int]] = typer.Option(None, "--offload-cache", help="With --moe: experts per layer kept resident in the offload runs (repeatable; k..E). Default: E/2."),
     offload_reads: Optional[list[str]] = typer.Option(None, "--offload-reads", help="With --moe: where the offload runs read experts from (repeatable): page-cache (the checkpoint in memory; the default) or storage (every read dropped from the page cache after it, as for a checkpoint larger than memory; Linux)."),
+    offload_scratch: Optional[Path] = typer.Option(None, "--offload-scratch", help="With --moe: the folder where the offload runs keep quantised experts' prepared kernel tensors (about the quantised experts' size; default: the temporary folder)."),
     engine: str = typer.Option("quantkit", "--engine", help="quantkit (its own runtime) or vllm (score and time the checkpoints in vLLM; needs vLLM)."),
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="With --engine vllm: vLLM's tensor-parallel size."),
     vllm_python: Optional[str] = typer.Option(None, "--vllm-python", help="With --engine vllm: the Python that has vLLM (default $QUANTKIT_VLLM_PYTHON, else this one)."),
@@ -522,13 +523,16 @@ def eval_cmd(
                                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                     grid=speculative_grid, save_outputs=save_outputs, draft_vocab=draft_vocab),
         )
-        if (offload_cache or offload_reads) and not moe:
-            raise QuantkitError(f"{'--offload-cache' if offload_cache else '--offload-reads'} needs --moe")
+        given = [flag for flag, v in (("--offload-cache", offload_cache), ("--offload-reads", offload_reads),
+                                      ("--offload-scratch", offload_scratch)) if v]
+        if given and not moe:
+            raise QuantkitError(f"{given[0]} needs --moe")
         if moe:
             from quantkit.eval.moe import MoEEvalOptions
 
             opts.moe_options = MoEEvalOptions(samples=moe_samples, offload_cache=tuple(offload_cache or ()),
-                                              offload_reads=tuple(offload_reads or ("page-cache",)))
+                                              offload_reads=tuple(offload_reads or ("page-cache",)),
+                                              offload_scratch=None if offload_scratch is None else str(offload_scratch))
         run = run_eval(opts)
         if report is not None:
             files = write_report(report, run.report, run.token_kl)

@@ -142,12 +142,21 @@ def test_offload_cache_outside_k_to_e_is_refused_with_the_range(moe_ckpt, tiny_m
         assert result.exit_code == 2 and "2..4" in result.stderr and result.stderr.strip().count("\n") == 0
 
 
-def test_eval_moe_json(moe_ckpt, tiny_models):
+def test_eval_moe_json(moe_ckpt, tiny_models, tmp_path, monkeypatch):
+    import tempfile
+
+    from quantkit.runtime import offload
+
+    scratch, mkstemp = [], tempfile.mkstemp
+    monkeypatch.setattr(offload.tempfile, "mkstemp", lambda **kw: scratch.append(kw["dir"]) or mkstemp(**kw))
     result = runner.invoke(app, ["eval", str(moe_ckpt), str(tiny_models["qwen2_moe"]), "--baseline",
                                  str(tiny_models["qwen2_moe"]), "--moe", "--json", "--num-samples", "4",
                                  "--seq-len", "24", "--moe-samples", "2", "--batch-size", "2",
-                                 "--compute-dtype", "float32"], catch_exceptions=False)
+                                 "--compute-dtype", "float32", "--offload-scratch", str(tmp_path)],
+                           catch_exceptions=False)
     assert result.exit_code == 0, result.output
+    # The quantised checkpoint's offload runs keep their kernel tensors where --offload-scratch says.
+    assert scratch and set(scratch) == {str(tmp_path)}
     report = json.loads(result.stdout)
     q, same = (r["moe"] for r in report["results"])
     for m in (q, same):
@@ -178,3 +187,12 @@ def test_eval_moe_report_has_tables_and_load_png(moe_ckpt, tiny_models, tmp_path
     assert "## MoE routing" in md and "Capacity-aware" in md
     assert (tmp_path / "rep" / "moe_load_0.png").stat().st_size > 1000
     assert "routing top-k overlap" in " ".join(result.stdout.split())
+
+
+def test_offload_scratch_is_checked_in_one_line(moe_ckpt, tiny_models, tmp_path):
+    args = ["eval", str(moe_ckpt), "--baseline", str(tiny_models["qwen2_moe"]), "--num-samples", "2", "--seq-len", "16"]
+    missing = runner.invoke(app, [*args, "--moe", "--offload-scratch", str(tmp_path / "missing")])
+    assert missing.exit_code == 2 and "--offload-scratch" in missing.stderr and "not a folder" in missing.stderr
+    assert missing.stderr.strip().count("\n") == 0
+    alone = runner.invoke(app, [*args, "--offload-scratch", str(tmp_path)])
+    assert alone.exit_code == 2 and "--offload-scratch needs --moe" in alone.stderr

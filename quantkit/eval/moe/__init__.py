@@ -19,6 +19,7 @@ decode driver); this one holds the options and the per-checkpoint analysis that 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ class MoEEvalOptions:
     samples: int = 8  # token blocks for drift, capacity and bias runs (the first ones of the eval set)
     offload_cache: tuple[int, ...] = ()  # cache sizes (experts per layer) for the offload runs; () = E/2
     offload_reads: tuple[str, ...] = ("page-cache",)  # where offloaded experts are read from (runtime.offload.READS)
+    offload_scratch: str | None = None  # where quantised experts' kernel tensors go (OffloadOptions.scratch_dir)
     # (policy, prefetch): "" none, "overlap" on the background thread, "sync" in the hook before the layer
     offload_runs: tuple[tuple[str, str], ...] = (("lru", ""), ("lfu", ""), ("trace", ""), ("lru", "overlap"),
                                                  ("lru", "sync"), ("trace", "overlap"))
@@ -70,6 +72,8 @@ class MoEEvalOptions:
         bad = [r for r in self.offload_reads if r not in READS]
         if bad or not self.offload_reads:
             raise InputError(f"unknown --offload-reads {bad[0] if bad else ''!r}; valid: {', '.join(READS)}")
+        if self.offload_scratch is not None and not os.path.isdir(self.offload_scratch):
+            raise InputError(f"--offload-scratch {self.offload_scratch} is not a folder")
         if num_experts is not None:
             for n in self.offload_cache:
                 if not top_k <= n <= num_experts:

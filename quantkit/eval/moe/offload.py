@@ -57,7 +57,7 @@ def offload_runs(path, prompt: torch.Tensor, sizes, opts: MoEEvalOptions, dtype,
         for i, (size, policy, prefetch, reads) in enumerate(plan):
             rt = load_model(path, dtype, device)
             cache = install_offload(rt, OffloadOptions(size, policy, bool(prefetch), overlap=prefetch != "sync",
-                                                       reads=reads), profile)
+                                                       reads=reads, scratch_dir=opts.offload_scratch), profile)
             logits, secs = greedy_decode(rt, prompt, opts.decode_tokens, on_prefill=cache.reset_stats)
             seconds[i].append(secs)
             st = cache.stats.to_dict()
