@@ -186,7 +186,8 @@ class ExpertCache:
         self._fds: dict[object, int] = {}
         self._pool: ThreadPoolExecutor | None = None
         self.stored: dict[str, TensorInfo] = {}  # the prepared kernel tensors written to the scratch file
-        self._scratch: tuple[object, int, list[int]] | None = None  # its key in _fds, descriptor and next offset
+        self._scratch: str | None = None  # the scratch file's key in _fds (created at the first stored tensor)
+        self._scratch_end = 0  # where its next tensor goes
         self._kernels: dict[int, object] = {}  # shared, never copied with a template (they hold compiled code)
         for layer, block in self.blocks.items():
             experts: UnfusedExperts = getattr(block, spec.experts)
@@ -242,18 +243,17 @@ class ExpertCache:
                 where = self.opts.scratch_dir or tempfile.gettempdir()
                 raise InputError(f"cannot create the offload scratch file in {where}: {exc.strerror}") from None
             os.unlink(path)
-            key = f"<prepared experts {path}>"
-            self._fds[key] = fd
-            self._scratch = (key, fd, [0])
-        key, fd, end = self._scratch
+            self._scratch = f"<prepared experts {path}>"
+            self._fds[self._scratch] = fd
+        fd = self._fds[self._scratch]
         t = getattr(child.prepared, field).detach().contiguous().cpu()
         data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-        at = -(-end[0] // 64) * 64  # 64-byte aligned, as torch allocates
+        at = -(-self._scratch_end // 64) * 64  # 64-byte aligned, as torch allocates
         done = 0
         while done < len(data):
             done += os.pwrite(fd, memoryview(data)[done:], at + done)
-        end[0] = at + len(data)
-        self.stored[name] = TensorInfo(key, DTYPE_NAMES[t.dtype], tuple(t.shape), len(data), at)
+        self._scratch_end = at + len(data)
+        self.stored[name] = TensorInfo(self._scratch, DTYPE_NAMES[t.dtype], tuple(t.shape), len(data), at)
 
     def _read(self, name: str, info: TensorInfo) -> torch.Tensor:
         """A stored tensor as a new CPU tensor, for a destination its bytes cannot go to directly (another device)."""
@@ -626,12 +626,15 @@ def _stripped(module: nn.Module, entries, kernels: dict[int, object]) -> nn.Modu
             setattr(child.prepared, leaf, torch.empty_like(getattr(child.prepared, leaf), device="meta"))
         else:
             child._buffers[leaf] = None
-    for child in module.modules():
-        if isinstance(child, QuantLinear) and child.kernel is not None and not _plain_layout(child.prepared):
-            child._offload_kernels = True  # prepared again after each load (_finish)
-            child.kernel, child.prepared = None, None  # the kernel's tensors go with the checkpoint's
-        elif isinstance(child, QuantLinear) and child.kernel is not None:
+    stored = {child_name for child_name, _, _, kind in entries if kind == PREPARED}
+    for name, child in module.named_modules():
+        if not isinstance(child, QuantLinear) or child.kernel is None:
+            continue
+        if name in stored:  # its layout is read back: the template keeps the kernel, shared by every copy
             kernels[id(child.kernel)] = child.kernel
+        else:  # prepared again after each load (_finish); its tensors go with the checkpoint's
+            child._offload_kernels = True
+            child.kernel, child.prepared = None, None
     return module
 
 
