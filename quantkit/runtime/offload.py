@@ -186,9 +186,12 @@ class ExpertCache:
         self._fds: dict[object, int] = {}
         self._pool: ThreadPoolExecutor | None = None
         self.stored: dict[str, TensorInfo] = {}  # the prepared kernel tensors written to the scratch file
-        self._scratch: str | None = None  # the scratch file's key in _fds (created at the first stored tensor)
+        self._scratch: str | None = None  # the scratch file's key in _fds (where a kernel layout is stored)
         self._scratch_end = 0  # where its next tensor goes
         self._kernels: dict[int, object] = {}  # shared, never copied with a template (they hold compiled code)
+        if any(isinstance(m, QuantLinear) and _plain_layout(m.prepared)
+               for block in self.blocks.values() for m in getattr(block, spec.experts).modules()):
+            self._open_scratch()
         for layer, block in self.blocks.items():
             experts: UnfusedExperts = getattr(block, spec.experts)
             full = module_name[id(experts)]  # e.g. model.layers.3.mlp.experts
@@ -233,18 +236,20 @@ class ExpertCache:
     def _info(self, name: str) -> TensorInfo:
         return self.stored.get(name) or self.index.tensors[name]
 
+    def _open_scratch(self) -> None:
+        """Create the scratch file, unlinked at once so the process's exit removes it whatever happens; before any
+        expert is touched, so a folder that cannot take it leaves the model as it was."""
+        try:
+            fd, path = tempfile.mkstemp(prefix="quantkit-offload-", suffix=".bin", dir=self.opts.scratch_dir)
+        except OSError as exc:
+            where = self.opts.scratch_dir or tempfile.gettempdir()
+            raise InputError(f"cannot create the offload scratch file in {where}: {exc.strerror}") from None
+        os.unlink(path)
+        self._scratch = f"<prepared experts {path}>"
+        self._fds[self._scratch] = fd
+
     def _store(self, name: str, child: QuantLinear, field: str) -> None:
-        """Append one prepared kernel tensor to the scratch file (created at the first; unlinked at once, so the
-        process's exit removes it whatever happens) and record where it lies."""
-        if self._scratch is None:
-            try:
-                fd, path = tempfile.mkstemp(prefix="quantkit-offload-", suffix=".bin", dir=self.opts.scratch_dir)
-            except OSError as exc:
-                where = self.opts.scratch_dir or tempfile.gettempdir()
-                raise InputError(f"cannot create the offload scratch file in {where}: {exc.strerror}") from None
-            os.unlink(path)
-            self._scratch = f"<prepared experts {path}>"
-            self._fds[self._scratch] = fd
+        """Append one prepared kernel tensor to the scratch file and record where it lies."""
         fd = self._fds[self._scratch]
         t = getattr(child.prepared, field).detach().contiguous().cpu()
         data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""

@@ -261,3 +261,7 @@ def test_a_scratch_folder_that_cannot_take_the_kernel_layouts_is_one_line(quanti
         pytest.skip("no CPU kernel serves these linears here: nothing goes to a scratch file")
     with pytest.raises(InputError, match="cannot create the offload scratch file in .*missing"):
         install_offload(rt, OffloadOptions(2, "lru", scratch_dir=str(tmp_path / "missing")))
+    # Refused before any expert was put behind a cache: the model still decodes as it did.
+    assert not any(type(m).__name__ == "_Standin" for m in rt.model.modules())
+    ref, _ = greedy_decode(load_model(quantised), PROMPT, 6)
+    assert torch.equal(greedy_decode(rt, PROMPT, 6)[0], ref)
