@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--fitted", action="store_true",
                     help="fitted drafters only (quantkit draft-heads): EAGLE and Medusa fitted to the W4A16 GPTQ "
                          "target, EAGLE fitted to the bf16 model, all driving the W4A16 target")
-    ap.add_argument("--fit-steps", type=int, default=300)
+    ap.add_argument("--fit-steps", type=int, default=400)
     ap.add_argument("--fit-dataset", default="kjv:0.5,self:0.5")
     ap.add_argument("--trees", default="chain:4,dynamic:8:5",
                     help="with --fitted: TREE:K list (dynamic:NODES:DEPTH)")

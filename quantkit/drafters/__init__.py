@@ -17,9 +17,9 @@ class DraftHeadsOptions:
     kind: str = "eagle"
     heads: int = 4
     dataset: str = "kjv:0.5,self:0.5"  # the built-in text and the target's own
-    num_samples: int = 64
+    num_samples: int = 80
     seq_len: int = 512
-    steps: int = 300
+    steps: int = 400
     draft_vocab: int = 8192
     seed: int = 0
     compute_dtype: str = "auto"

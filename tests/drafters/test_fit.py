@@ -159,3 +159,23 @@ def test_an_eagle_drafter_fitted_to_smollm2_drafts_losslessly_in_fp32(smollm2_pa
         assert len(plain) == 24 and first_divergence(spec.tokens, plain) is None, (text, spec.tokens, plain)
         accepted += spec.accepted
     assert accepted > 0
+
+
+def test_distillation_loss_is_the_kl_of_the_top_tokens_and_one_bucket_for_the_rest():
+    from quantkit.drafters.fit import _kl, target_top
+
+    g = torch.Generator().manual_seed(3)
+    feats, head = torch.randn(5, 7, 16, generator=g), torch.randn(40, 16, generator=g)
+    logits = torch.randn(5, 7, 40, generator=g) * 2
+    p, q = torch.softmax(feats @ head.T, -1).double(), torch.softmax(logits, -1).double()
+    full = (p * (p.log() - q.log())).sum(-1).mean()
+    # Every token kept: the exact KL
+    assert float(_kl(logits, *target_top(feats, head, k=40))) == pytest.approx(float(full), rel=1e-4)
+    # Top 6 of the target and the rest as one token: the KL of those coarser distributions, below the exact one
+    logp, idx = target_top(feats, head, k=6)
+    top = torch.topk(p, 6, -1).indices
+    assert torch.equal(idx.long(), top)
+    pc = torch.cat([p.gather(-1, top), 1 - p.gather(-1, top).sum(-1, keepdim=True)], -1)
+    qc = torch.cat([q.gather(-1, top), 1 - q.gather(-1, top).sum(-1, keepdim=True)], -1)
+    coarse = (pc * (pc.log() - qc.log())).sum(-1).mean()
+    assert float(_kl(logits, logp, idx)) == pytest.approx(float(coarse), rel=1e-4) and coarse < full
