@@ -4,7 +4,8 @@ The target (quantised or not, as it will be served) runs the calibration text on
 features (what its head reads) and, through its own head, its next-token distributions are the training signal,
 not the text's tokens: the drafter learns what this target predicts, quantisation error included.
 
-Losses, per position (p = the target's distribution, q = the drafter's, both over the draft vocabulary):
+Losses, per position (p = the target's distribution, q = the drafter's, both over the draft vocabulary and seen
+as the target's TARGET_TOP likeliest tokens plus one bucket for the rest: p is computed once, before the fit):
 - EAGLE: KL(p || q) of the next position, plus a smooth-L1 regression of the predicted feature
   on the target's (EAGLE-1); the input features get uniform noise (EAGLE's augmentation), so the drafter also copes
   with its own, imperfect, predicted features when it drafts deeper. A second unrolled step (input: its own
@@ -235,7 +236,7 @@ class _Data:
     head: torch.Tensor  # [V', H] the draft vocabulary's head rows
     vocabulary: torch.Tensor | None
     scale: torch.Tensor  # the features' RMS
-    top_logp: torch.Tensor  # [N, L, K] the target's top draft-vocabulary tokens' log-probs (renormalised)
+    top_logp: torch.Tensor  # [N, L, K] the target's log-probs of its K likeliest draft-vocabulary tokens
     top_idx: torch.Tensor  # [N, L, K] their rows of `head`
     seconds: float = 0.0  # the target's forward and head
 
