@@ -104,12 +104,12 @@ def select_vocabulary(ids: torch.Tensor, predicted: torch.Tensor, count: int, vo
     return torch.sort(torch.topk(score, count).indices).values
 
 
-def target_top(features: torch.Tensor, head: torch.Tensor, k: int = TARGET_TOP,
-               chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def target_top(features: torch.Tensor, head: torch.Tensor, k: int = TARGET_TOP) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's `k` most likely tokens at every position over the draft head's rows: ([..., k] their
     log-probabilities, [..., k] their rows). Computed once, so a fit step never runs the target's head."""
     flat = features.reshape(-1, features.shape[-1])
     k = min(k, head.shape[0])
+    chunk = max(64, (1 << 25) // head.shape[0])  # rows whose fp32 logits take ~128 MB, whatever the vocabulary
     logp = torch.empty(flat.shape[0], k)
     idx = torch.empty(flat.shape[0], k, dtype=torch.int32)
     for i in range(0, flat.shape[0], chunk):
