@@ -75,20 +75,31 @@ class Adapter:
         return self.stored_layers_path or self.layers_path
 
     def to_checkpoint(self, local: str) -> str:
-        """Layer-local module name -> layer-local checkpoint name (renames are prefixes)."""
+        """Layer-local module name -> layer-local checkpoint name (renames are prefixes; one ending in a dot also
+        renames the module it names)."""
         for ckpt, mod in self.renames:
-            if local.startswith(mod):
-                return ckpt + local[len(mod):]
+            swapped = _swap_prefix(local, mod, ckpt)
+            if swapped is not None:
+                return swapped
         return local
 
     def to_module(self, local: str) -> str:
         for ckpt, mod in self.renames:
-            if local.startswith(ckpt):
-                return mod + local[len(ckpt):]
+            swapped = _swap_prefix(local, ckpt, mod)
+            if swapped is not None:
+                return swapped
         return local
 
     def is_protected(self, local_name: str) -> bool:
         return any(re.fullmatch(p, local_name) for p in self.never_quantize)
+
+
+def _swap_prefix(name: str, old: str, new: str) -> str | None:
+    if name.startswith(old):
+        return new + name[len(old):]
+    if old.endswith(".") and name == old[:-1]:
+        return new[:-1]
+    return None
 
 
 _ATTN = Smoothing("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
@@ -189,6 +200,15 @@ def supported_model_types() -> list[str]:
     return sorted(_BY_TYPE)
 
 
+def described_moe_types() -> list[str]:
+    """The MoE families whose routing is described here (quantkit's runtime routes them itself)."""
+    return [t for t in supported_model_types() if _BY_TYPE[t].router is not None]
+
+
+# Config names of the routed-expert count across families (`moe.py` reads the ones described families use).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
 def adapter_for(model_type: str) -> Adapter:
     adapter = _BY_TYPE.get(model_type)
     if adapter is None:
@@ -217,11 +237,14 @@ def find_layers_path(config, model) -> str:
     return min(lists, key=lambda n: (any(t in n for t in towers), n.count(".")))
 
 
-def adapter_for_model(config, model) -> Adapter:
+def adapter_for_model(config, model, names=None, renamed: dict[str, str] | None = None) -> Adapter:
     """The registered adapter of the config's model type; for any other model transformers builds, one inferred
     from `model` (a meta skeleton will do): its decoder layers are the one module list with num_hidden_layers
-    entries, checkpoint names map one to one, and no scale-folding mappings are fixed (AWQ derives checked ones,
-    SmoothQuant refuses). A sparse-MoE model needs its routing described, so an unregistered one is refused."""
+    entries, checkpoint names map one to one or by transformers' own renamings (`renamed`, module tensor name ->
+    stored name), and no scale-folding mappings are fixed (AWQ derives checked ones, SmoothQuant refuses).
+    A sparse-MoE model is inferred too where its experts are transformers' standard fused experts, stored one
+    linear per expert on disk (`names`, the checkpoint's tensor names): its own router then routes, in the
+    pipeline and in the runtime alike; anything else is refused in one line."""
     model_type = getattr(config, "model_type", "?")
     if model_type in _BY_TYPE:
         return _BY_TYPE[model_type]
@@ -230,13 +253,115 @@ def adapter_for_model(config, model) -> Adapter:
     # Routed experts: a module named `experts`, stacked expert weights (3-D), or an expert count in the config. The
     # last layer is read: MoE models may start with dense ones.
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    counts = [getattr(text, k, 0) or 0
-              for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")]
-    found = [type(m).__name__ for name, m in layers[-1].named_modules()
+    counts = [getattr(text, k, 0) or 0 for k in EXPERT_COUNT_KEYS]
+    found = [(name, m) for name, m in layers[-1].named_modules()
              if name.rpartition(".")[2] == "experts" or any(p.dim() == 3 for p in m.parameters(recurse=False))]
-    if found or any(isinstance(c, int) and c > 1 for c in counts):
-        moe = ", ".join(t for t in supported_model_types() if _BY_TYPE[t].router is not None)
-        what = f" ({found[0]} in its layers)" if found else ""
-        raise InputError(f"unsupported MoE architecture {model_type!r}{what}: its routing is not described here; "
-                         f"supported MoE: {moe}")
-    return Adapter(model_type, (model_type,), layers_path=layers_path, notes=GENERIC)
+    moe = bool(found) or any(isinstance(c, int) and c > 1 for c in counts)
+    stored = _stored_local_names(layers_path, len(layers) - 1, names or (), renamed or {})
+    renames = _infer_renames(stored)
+    if not moe:
+        return Adapter(model_type, (model_type,), layers_path=layers_path, renames=renames, notes=GENERIC)
+    described = ", ".join(described_moe_types())
+    what = f" ({type(found[0][1]).__name__} in its layers)" if found else ""
+    fused = [(name, m) for name, m in found if is_standard_experts(m)]
+    if not fused:
+        raise InputError(f"unsupported MoE architecture {model_type!r}{what}: its experts are not transformers' "
+                         f"standard gate/up/down experts (biases, transposed or interleaved weights, or a gate of "
+                         f"their own), and its routing is not described here; supported MoE: {described} and MoE "
+                         "models with standard experts")
+    module = fused[0][0]
+    layout = _stored_expert_layout(module, stored, model_type)
+    routers = _router_names(layers[-1], module, fused[0][1].gate_up_proj.shape[0])
+    return Adapter(model_type, (model_type,), layers_path=layers_path, renames=renames, experts=layout,
+                   never_quantize=tuple(re.escape(r) for r in routers), notes=GENERIC)
+
+
+def is_standard_experts(module) -> bool:
+    """transformers' fused experts in the layout `quantkit.models.experts.UnfusedExperts` computes exactly:
+    gate_up_proj [E, 2I, H] (gate rows, then up rows), down_proj [E, H, I], no biases, act(gate) * up."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not all(getattr(t, "dim", lambda: 0)() == 3 for t in (gate_up, down)) or not hasattr(module, "act_fn"):
+        return False
+    if {n for n, _ in module.named_parameters(recurse=False)} != {"gate_up_proj", "down_proj"}:
+        return False
+    e, two_i, h = gate_up.shape
+    if tuple(down.shape) != (e, h, two_i // 2) or two_i % 2:
+        return False
+    # transformers' experts decorator records the layout on each instance; a class of its own gate overrides it.
+    flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+             "has_post_expert_norm": False}
+    if any(getattr(module, k, v) != v for k, v in flags.items()):
+        return False
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    return apply_gate is None or apply_gate.__name__ == "_default_apply_gate"
+
+
+def _stored_local_names(layers_path: str, i: int, names, renamed: dict[str, str]) -> dict[str, str]:
+    """Layer i's tensors: layer-local module name -> layer-local stored name (`renamed`: full module name ->
+    full stored name, where transformers renames on load). A stored layer-local name is what follows the
+    layer's index after the stored list's name (Gemma 3 stores its layers under another path)."""
+    to_module = {stored: module for module, stored in renamed.items()}
+    prefix, list_name = f"{layers_path}.{i}.", layers_path.rpartition(".")[2]
+    out = {}
+    for name in names:
+        module = to_module.get(name, name)
+        if not module.startswith(prefix):
+            continue
+        parts = name.split(".")
+        at = next((j for j in range(1, len(parts) - 1) if parts[j] == str(i) and parts[j - 1] == list_name), None)
+        out[module[len(prefix):]] = ".".join(parts[at + 1:]) if at is not None else module[len(prefix):]
+    return out
+
+
+def _infer_renames(stored: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """Prefix renames (stored, module) that map every layer-local module name to its stored name. For each renamed
+    tensor, the shortest differing prefix that holds for every name under it (Mixtral-style `block_sparse_moe.` ->
+    `mlp.`), else a longer one, down to the tensor itself."""
+    renames: list[tuple[str, str]] = []
+
+    def holds(s_pre: str, m_pre: str) -> bool:
+        return all(s == s_pre + m[len(m_pre):] for m, s in stored.items() if m == m_pre or m.startswith(m_pre + "."))
+
+    for m, s in sorted((m, s) for m, s in stored.items() if m != s):
+        if any(_swap_prefix(m, mod, ckpt) == s for ckpt, mod in renames):
+            continue
+        mp, sp = m.split("."), s.split(".")
+        k = 0
+        while k < min(len(mp), len(sp)) - 1 and mp[-1 - k] == sp[-1 - k]:
+            k += 1
+        pair = next(((".".join(sp[: len(sp) - j]), ".".join(mp[: len(mp) - j])) for j in range(k, 0, -1)
+                     if holds(".".join(sp[: len(sp) - j]), ".".join(mp[: len(mp) - j]))), None)
+        renames.append((pair[0] + ".", pair[1] + ".") if pair else (s, m))
+    return tuple(renames)
+
+
+def _stored_expert_layout(module: str, stored: dict[str, str], model_type: str) -> ExpertLayout:
+    """The per-expert projection names under the experts module `module`, read off the layer's stored names."""
+    pattern = re.compile(re.escape(module) + r"\.(\d+)\.([A-Za-z0-9_]+)\.weight\w*")  # quantised: weight_packed
+    projections = {m.group(2) for name in stored if (m := pattern.fullmatch(name))}
+    for gate, up, down in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+        if {gate, up, down} <= projections:
+            return ExpertLayout(module, gate, up, down)
+    if any(name.startswith(module + ".gate_up_proj") for name in stored):
+        what = "its experts are stored fused on disk"
+    else:
+        what = f"its expert projections on disk ({', '.join(sorted(projections)) or 'none found'})"
+    raise InputError(f"unsupported MoE architecture {model_type!r}: {what}, not one gate/up/down linear per "
+                     "expert (gate_proj/up_proj/down_proj or w1/w3/w2)")
+
+
+def _router_names(layer, experts: str, num_experts: int) -> list[str]:
+    """Layer-local names of the routers beside `experts` (kept unquantised, listed in the ignore): modules of the
+    MoE block outside the experts whose own weight is [num_experts, hidden] or [1, hidden] (a shared-expert gate)."""
+    import torch
+
+    block = experts.rpartition(".")[0]
+    found = []
+    for name, m in (layer.get_submodule(block) if block else layer).named_modules():
+        full = f"{block}.{name}" if block and name else (name or block)
+        if not name or full == experts or full.startswith(experts + "."):
+            continue
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] in (num_experts, 1):
+            found.append(full)
+    return found

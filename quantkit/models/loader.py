@@ -208,7 +208,7 @@ def open_model(source: ResolvedModel, trust_remote_code: bool = False) -> ModelH
             skeleton = build_skeleton(source.path, config, trust_remote_code)
     skeleton.eval()
     renamed = renamed_checkpoint_names(skeleton, index.names())
-    adapter = with_stored_layers(adapter_for_model(config, skeleton), renamed)
+    adapter = with_stored_layers(adapter_for_model(config, skeleton, index.names(), renamed), renamed)
     return ModelHandle(source, config, adapter, index, skeleton, trust_remote_code, _renamed=renamed)
 
 

@@ -168,15 +168,19 @@ def _protected_ignore(handle: ModelHandle, plans: list[LayerPlan], user_ignore: 
     for pattern in user_ignore:
         if pattern.startswith("re:"):
             names.append(pattern)
+    # Each by its stored name (vLLM's) and, where transformers renames it on load, by its module name too:
+    # transformers matches the ignore against its modules (Phi-MoE's router is stored as block_sparse_moe.gate).
     for p in plans:
-        names.extend(p.skipped_linears)
-    # Router gates that transformers does not model as nn.Linear are still linears to vLLM.
-    for p in plans:
+        prefix = handle.layer_prefix(p.index)
+        stored = list(p.skipped_linears)
+        # Router gates that transformers does not model as nn.Linear are still linears to vLLM.
         for name in handle.layer_checkpoint_names(p.index):
             module = name.rpartition(".")[0]
-            local = module[len(handle.layer_prefix(p.index)):]
-            if handle.adapter.is_protected(handle.adapter.to_module(local)) and module not in names:
-                names.append(module)
+            if handle.adapter.is_protected(handle.adapter.to_module(module[len(prefix):])) and module not in stored:
+                stored.append(module)
+        for name in stored:
+            loaded = f"{handle.adapter.layers_path}.{p.index}.{handle.adapter.to_module(name[len(prefix):])}"
+            names.extend(n for n in (name, loaded) if n not in names)
     # Multi-token-prediction blocks (layers past the decoder's) stay at source precision: vLLM loads them as
     # the speculative head, unquantised, when the config's ignore says so.
     for i in handle.extra_layer_indices():
@@ -622,15 +626,12 @@ def phase_totals(records: list[dict], wall: float) -> dict[str, float]:
     return {k: round(v, 3) for k, v in sorted(totals.items())}
 
 
-def _routing_counter(layer: nn.Module, handle: ModelHandle):
+def _routing_counter(layer: nn.Module):
     """A routing-profile counter for a sparse-MoE layer (None for dense layers and dense models)."""
-    from quantkit.models.moe import router_spec
     from quantkit.models.routing_profile import LayerCounts
 
     experts = [m for m in layer.modules() if isinstance(m, UnfusedExperts)]
-    if not experts or router_spec(handle.adapter, handle.config) is None:
-        return None
-    return LayerCounts(experts[0].num_experts)
+    return LayerCounts(experts[0].num_experts) if experts else None
 
 
 def write_routing_profile(handle: ModelHandle, journal: Journal, calib, folder: Path) -> bool:
@@ -638,11 +639,16 @@ def write_routing_profile(handle: ModelHandle, journal: Journal, calib, folder: 
     from quantkit.models.moe import router_spec
     from quantkit.models.routing_profile import RoutingProfile
 
-    spec = router_spec(handle.adapter, handle.config)
-    if spec is None or not journal.routing:
+    if not journal.routing:
         return False
+    spec = router_spec(handle.adapter, handle.config)
+    if spec is not None:
+        num_experts, top_k = spec.num_experts, spec.top_k
+    else:  # a family whose own router routes: the counts say how many experts, and how many each token takes
+        first = next(iter(journal.routing.values()))
+        num_experts, top_k = len(first["counts"]), round(sum(first["counts"]) / max(first["tokens"], 1))
     d = calib.describe()
-    RoutingProfile.from_dict({"num_experts": spec.num_experts, "top_k": spec.top_k, "layers": journal.routing,
+    RoutingProfile.from_dict({"num_experts": num_experts, "top_k": top_k, "layers": journal.routing,
                               "source": f"quantised calibration pass: {d.get('source')} "
                                         f"{d.get('num_samples')} x {d.get('seq_len')}"}).write(folder)
     return True
@@ -1315,7 +1321,7 @@ def _layer_loop(run: LayerRun, progress, batches: LayerBatches, start: int) -> N
         ctx.phases["load"] = time.perf_counter() - began
         modules = None
         progress.reset(batch_task, total=2 * n_own, info=f"layer {i}")
-        counts = _routing_counter(layer, handle)
+        counts = _routing_counter(layer)
         taps = observe_kv(layer, plan, ctx)
         try:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=run.autocast):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import InputError
-from quantkit.models.adapters import Adapter, adapter_for, find_layers_path
+from quantkit.models.adapters import Adapter, adapter_for, adapter_for_model, find_layers_path
 from quantkit.models.experts import unfuse_experts
 from quantkit.models.loader import (ModelHandle, _get, _set, build_skeleton, renamed_checkpoint_names,
                                     with_stored_layers)
@@ -105,15 +105,19 @@ def resolve_dtype(path: Path, dtype: torch.dtype | str | None = None) -> torch.d
     return DTYPES.get(name.replace("torch.", ""), torch.float32)
 
 
-def _generic_adapter(model_type: str, model: nn.Module | None = None) -> Adapter:
-    """The registered adapter, or for a model transformers knows without one, names one to one and the decoder
-    layers where `model` keeps them (model.layers when no model is given). Unlike the pipeline's, the runtime
-    runs an unregistered sparse-MoE model too, through transformers' own blocks."""
+def _generic_adapter(model_type: str, model: nn.Module | None = None, names=None,
+                     renamed: dict[str, str] | None = None) -> Adapter:
+    """The registered adapter, or for a model transformers knows without one, its layout read off `model` and the
+    checkpoint's tensor `names` (quantkit.models.adapters.adapter_for_model; model.layers when no model is
+    given). Without names (callers that only want the layers), a sparse-MoE model gets the dense layout."""
     try:
         return adapter_for(model_type)
     except InputError:
-        path = "model.layers" if model is None else find_layers_path(model.config, model)
-        return Adapter(model_type, (model_type,), layers_path=path)
+        if model is None:
+            return Adapter(model_type, (model_type,), layers_path="model.layers")
+        if names is not None:
+            return adapter_for_model(model.config, model, names, renamed)
+        return Adapter(model_type, (model_type,), layers_path=find_layers_path(model.config, model))
 
 
 def _skeleton(path: Path, trust_remote_code: bool):
@@ -187,7 +191,8 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
     device = torch.device(device)
     index = SafetensorsIndex(path)
     renamed = renamed_checkpoint_names(model, index.names())
-    adapter = with_stored_layers(_generic_adapter(getattr(config, "model_type", "?"), model), renamed)
+    adapter = with_stored_layers(_generic_adapter(getattr(config, "model_type", "?"), model, index.names(), renamed),
+                                 renamed)
     handle = ModelHandle(ResolvedModel(path, str(path)), config, adapter, index, model, _renamed=renamed)
     try:
         handle.layers()

@@ -1,6 +1,8 @@
 """Architectures without an adapter here: the layout is read off transformers' own model, and what the pipeline
 and the runtime compute is checked against transformers (the full model, and a consumer of the checkpoint)."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -102,9 +104,98 @@ def test_a_vision_language_model_has_its_text_decoder_quantised_and_its_vision_t
     assert kept and all(torch.equal(p, dict(source.named_parameters())[n]) for n, p in kept.items())
 
 
+# Sparse-MoE families without a described router: transformers' standard fused experts, stored one linear per
+# expert, each differing from the others where the inferred layout reads it: plain softmax routing (olmoe); sigmoid
+# scores, a selection bias, shared experts and a dense first layer (glm4_moe); a router linear nested in the gate
+# (hunyuan's gate.wg); a selection bias stored outside the router module it loads into (exaone_moe, ernie4_5_moe's
+# moe_statics); experts and router stored as block_sparse_moe.experts / block_sparse_moe.gate and loaded as
+# mlp.experts / mlp.router, the router an nn.Linear (phimoe); MLA attention (deepseek_v2).
+MOE = {
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, head_dim=16),
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=16),
+    "exaone_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v2": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                        n_group=1, topk_group=1, n_shared_experts=1, num_key_value_heads=4),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generic-moe")
+    return {f: make_tiny_model(root / f, f, **overrides) for f, overrides in MOE.items()}
+
+
+def _stored_experts(folder) -> dict[str, list[str]]:
+    """Layer prefix + experts path -> the projections stored per expert, read off the safetensors names."""
+    import re
+
+    from tests.pipeline.test_engine import _tensors
+
+    found: dict[str, set] = {}
+    for name in _tensors(folder):
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if m:
+            found.setdefault(m.group(1), set()).add((int(m.group(2)), m.group(3)))
+    return {k: sorted(v) for k, v in found.items()}
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_a_moe_family_without_described_routing_is_quantised_and_served_by_its_own_router(moe_models, family,
+                                                                                            text_file, tmp_path):
+    from tests.pipeline.test_engine import _reference_with_dequantised, _tensors
+
+    src, out = moe_models[family], tmp_path / "q"
+    ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
+    # The streamed pipeline's layer-by-layer forward, experts unfused, is the model's own.
+    streamed = layerwise_logits(open_model(resolve_model(str(src))), ids, batch_size=2)
+    torch.testing.assert_close(streamed, source, rtol=1e-5, atol=1e-5)
+
+    result = _quantize("--model", str(src), "--method", "gptq", "--scheme", "W4A16", "--group-size", "16",
+                       "--dataset", str(text_file), "--num-samples", "8", "--seq-len", "64", "--output", str(out),
+                       "--json")
+    assert result.exit_code == 0, result.output
+    # Every expert projection of every sparse layer is quantised under its stored name; nothing else is left dense
+    # but the routers, which keep their bytes and are listed in the ignore.
+    experts = _stored_experts(src)
+    assert experts
+    written, original = _tensors(out), _tensors(src)
+    for block, projections in experts.items():
+        for e, proj in projections:
+            assert f"{block}.{e}.{proj}.weight_packed" in written and f"{block}.{e}.{proj}.weight" not in written
+    dense_2d = [n for n, t in written.items() if n.endswith(".weight") and t.dim() == 2 and ".layers." in n]
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert dense_2d and all(n.rpartition(".")[0] in ignore and torch.equal(written[n], original[n]) for n in dense_2d)
+    summary = json.loads(result.stdout)
+    profile = json.loads((out / "routing_profile.json").read_text())
+    assert profile["num_experts"] == 4 and profile["top_k"] == 2, profile
+    assert summary["experts"]["starved"] is not None
+
+    consumer_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    oracle, replaced = _reference_with_dequantised(src, out, 4, 16)
+    assert replaced == sum(n.endswith(".weight_packed") for n in written)
+    with torch.no_grad():
+        consumer, expected = consumer_model(ids).logits, oracle(ids).logits
+        runtime = load_model(out, dtype=torch.float32)(ids).logits.float()
+    torch.testing.assert_close(consumer, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(runtime, consumer, rtol=1e-4, atol=1e-4 * float(consumer.abs().max()))
+    assert 0.01 < float((consumer - source).norm() / source.norm()) < 0.5
+
+
 def test_what_the_generic_layout_cannot_do_is_refused_in_one_line(generic_models, text_file, tmp_path):
-    olmoe = make_tiny_model(tmp_path / "olmoe", "olmoe", num_experts=4, num_experts_per_tok=2)
-    cases = [(olmoe, "gptq", "W4A16", "unsupported MoE architecture 'olmoe'"),
+    # gpt-oss: experts with biases, a clamped gate of their own and transposed weights; GraniteMoE: experts stored
+    # fused on disk (input_linear / output_linear), which compressed-tensors cannot name per expert.
+    gpt_oss = make_tiny_model(tmp_path / "gpt_oss", "gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    granite = make_tiny_model(tmp_path / "granitemoe", "granitemoe", num_local_experts=4, num_experts_per_tok=2)
+    cases = [(gpt_oss, "gptq", "W4A16", "unsupported MoE architecture 'gpt_oss' (GptOssExperts in its layers): its "
+                                        "experts are not transformers' standard"),
+             (granite, "gptq", "W4A16", "unsupported MoE architecture 'granitemoe': its experts are stored fused"),
              (generic_models["gpt_neox"], "smoothquant+gptq", "W8A8", "smoothquant needs the norm -> linear mappings")]
     for model, method, scheme, needle in cases:
         result = _quantize("--model", str(model), "--method", method, "--scheme", scheme, "--dataset", str(text_file),
