@@ -204,3 +204,14 @@ def test_what_the_generic_layout_cannot_do_is_refused_in_one_line(generic_models
         assert result.exit_code == 2, (method, result.output)
         assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in result.output, err
         assert not (tmp_path / "out").exists()
+
+
+def test_moe_analysis_of_a_family_without_described_routing_is_refused_in_one_line(moe_models):
+    """`eval --moe` replays and alters the routing rule (capacity, bias balancing, offloading): a family whose own
+    router routes has none here to replay."""
+    src = moe_models["olmoe"]
+    result = CliRunner().invoke(app, ["eval", str(src), "--baseline", str(src), "--moe", "--num-samples", "2",
+                                      "--seq-len", "16"])
+    err = result.stderr.strip()
+    assert result.exit_code == 2, result.output
+    assert "'olmoe' MoE, whose routing is not described here" in err and len(err.splitlines()) == 1, err
