@@ -250,14 +250,20 @@ def adapter_for_model(config, model, names=None, renamed: dict[str, str] | None 
         return _BY_TYPE[model_type]
     layers_path = find_layers_path(config, model)
     layers = model.get_submodule(layers_path)
-    # Routed experts: a module named `experts`, stacked expert weights (3-D), or an expert count in the config. The
-    # last layer is read: MoE models may start with dense ones.
+    # Routed experts: a module named `experts`, stacked expert weights (3-D), or an expert count in the config.
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     counts = [getattr(text, k, 0) or 0 for k in EXPERT_COUNT_KEYS]
-    found = [(name, m) for name, m in layers[-1].named_modules()
-             if name.rpartition(".")[2] == "experts" or any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    from torch import nn
+
+    found, seen = [], set()
+    for layer in layers:  # every layer: hybrid models mix MoE, dense, attention and Mamba layers
+        for name, m in layer.named_modules():
+            if name not in seen and (name.rpartition(".")[2] == "experts" or not isinstance(m, nn.modules.conv._ConvNd)
+                                     and any(p.dim() == 3 for p in m.parameters(recurse=False))):  # not mamba's conv
+                seen.add(name)
+                found.append((name, m))
     moe = bool(found) or any(isinstance(c, int) and c > 1 for c in counts)
-    stored = _stored_local_names(layers_path, len(layers) - 1, names or (), renamed or {})
+    stored = _stored_local_names(layers_path, names or (), renamed or {})
     renames = _infer_renames(stored)
     if not moe:
         return Adapter(model_type, (model_type,), layers_path=layers_path, renames=renames, notes=GENERIC)
@@ -271,7 +277,8 @@ def adapter_for_model(config, model, names=None, renamed: dict[str, str] | None 
                          "models with standard experts")
     module = fused[0][0]
     layout = _stored_expert_layout(module, stored, model_type)
-    routers = _router_names(layers[-1], module, fused[0][1].gate_up_proj.shape[0])
+    owner = next(layer for layer in layers if any(m is fused[0][1] for m in layer.modules()))
+    routers = _router_names(owner, module, fused[0][1].gate_up_proj.shape[0])
     return Adapter(model_type, (model_type,), layers_path=layers_path, renames=renames, experts=layout,
                    never_quantize=tuple(re.escape(r) for r in routers), notes=GENERIC)
 
@@ -296,21 +303,29 @@ def is_standard_experts(module) -> bool:
     return apply_gate is None or apply_gate.__name__ == "_default_apply_gate"
 
 
-def _stored_local_names(layers_path: str, i: int, names, renamed: dict[str, str]) -> dict[str, str]:
-    """Layer i's tensors: layer-local module name -> layer-local stored name (`renamed`: full module name ->
-    full stored name, where transformers renames on load). A stored layer-local name is what follows the
-    layer's index after the stored list's name (Gemma 3 stores its layers under another path)."""
+def _stored_local_names(layers_path: str, names, renamed: dict[str, str]) -> dict[str, str]:
+    """Layer-local module name -> layer-local stored name, over every layer (hybrid models mix layer kinds);
+    `renamed`: full module name -> full stored name, where transformers renames on load."""
     to_module = {stored: module for module, stored in renamed.items()}
-    prefix, list_name = f"{layers_path}.{i}.", layers_path.rpartition(".")[2]
+    root = layers_path + "."
     out = {}
     for name in names:
         module = to_module.get(name, name)
-        if not module.startswith(prefix):
+        index, _, local = module[len(root):].partition(".") if module.startswith(root) else ("", "", "")
+        if not index.isdigit() or local in out:
             continue
-        parts = name.split(".")
-        at = next((j for j in range(1, len(parts) - 1) if parts[j] == str(i) and parts[j - 1] == list_name), None)
-        out[module[len(prefix):]] = ".".join(parts[at + 1:]) if at is not None else module[len(prefix):]
+        split = split_stored_layer_name(name, int(index))
+        out[local] = split[1] if split else local
     return out
+
+
+def split_stored_layer_name(name: str, i: int) -> tuple[str, str] | None:
+    """(stored layers path, layer-local name) of a stored tensor name of layer i. The stored list may have
+    another name than the module list (EXAONE 3 stores model.layers as transformer.h, Gemma 3 under
+    language_model.): the layer's names follow its index, the first part equal to it after a named part."""
+    parts = name.split(".")
+    at = next((j for j in range(1, len(parts) - 1) if parts[j] == str(i) and not parts[j - 1].isdigit()), None)
+    return None if at is None else (".".join(parts[:at]), ".".join(parts[at + 1:]))
 
 
 def _infer_renames(stored: dict[str, str]) -> tuple[tuple[str, str], ...]:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import InputError
-from quantkit.models.adapters import Adapter, adapter_for_model
+from quantkit.models.adapters import Adapter, adapter_for_model, split_stored_layer_name
 from quantkit.models.experts import UnfusedExperts, unfuse_experts
 from quantkit.models.safetensors_index import SafetensorsIndex
 from quantkit.models.source import ResolvedModel
@@ -219,9 +219,11 @@ def with_stored_layers(adapter: Adapter, renamed: dict[str, str]) -> Adapter:
 
     root = adapter.layers_path + "."
     for module_name, stored in renamed.items():
-        suffix = module_name[len(adapter.layers_path):]
-        if module_name.startswith(root) and stored.endswith(suffix):
-            return dataclasses.replace(adapter, stored_layers_path=stored[: len(stored) - len(suffix)])
+        index = module_name[len(root):].partition(".")[0]
+        split = split_stored_layer_name(stored, int(index)) if module_name.startswith(root) and index.isdigit() \
+            else None
+        if split and split[0] != adapter.layers_path:
+            return dataclasses.replace(adapter, stored_layers_path=split[0])
     return adapter
 
 

@@ -130,7 +130,7 @@ def plan_layers(handle: ModelHandle, scheme: Scheme, ignore: list[str], strict: 
             linear_params.add(f"{local}.weight")
         kept, covered = {}, set()
         for local, param in layer.named_parameters():
-            ckpt = handle.checkpoint_name(i, local.rpartition(".")[0]) + "." + local.rpartition(".")[2]
+            ckpt = handle.checkpoint_name(i, local)  # the whole name: a rename may move one tensor of a module
             covered.add(ckpt)
             if local in linear_params:
                 continue

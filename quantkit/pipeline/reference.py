@@ -19,14 +19,15 @@ from quantkit.pipeline.capture import capture_layer_inputs, run_layer
 class _Inject(nn.Module):
     """In a decoder layer's place: returns `value` (the last layer's output) where one is set, else its input."""
 
-    def __init__(self, value: torch.Tensor | None, attention_type=None):
+    def __init__(self, value: torch.Tensor | None, attention_type=None, as_tuple: bool = False):
         super().__init__()
-        self.value = value
+        self.value, self.as_tuple = value, as_tuple
         if attention_type is not None:  # read by some models' mask building (Gemma 2's sliding layers)
             self.attention_type = attention_type
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states if self.value is None else self.value
+        out = hidden_states if self.value is None else self.value
+        return (out,) if self.as_tuple else out
 
 
 @contextmanager
@@ -46,15 +47,30 @@ def output_logits(handle: ModelHandle, dtype: torch.dtype = torch.float32, devic
     for name in owners:
         handle.materialize_module(name, dtype, device)
 
-    def logits(hidden: torch.Tensor) -> torch.Tensor:
+    # Most models take a decoder layer's output as it is; some (BLOOM) read it as outputs[0]. The first call
+    # finds out: a tensor read as outputs[0] loses its batch dimension, which fails or shows in the logits' shape.
+    as_tuple = [False]
+
+    def run(hidden: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(originals):
-            layers[i] = _Inject(hidden if i == 0 else None, getattr(layer, "attention_type", None))
+            layers[i] = _Inject(hidden if i == 0 else None, getattr(layer, "attention_type", None), as_tuple[0])
         ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
         try:
             return handle.skeleton(input_ids=ids, use_cache=False).logits.float()
         finally:
             for i, layer in enumerate(originals):
                 layers[i] = layer
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        if not as_tuple[0]:
+            try:
+                out = run(hidden)
+                if out.shape[:2] == hidden.shape[:2]:
+                    return out
+            except (IndexError, RuntimeError, ValueError):
+                pass
+            as_tuple[0] = True
+        return run(hidden)
 
     try:
         yield logits
