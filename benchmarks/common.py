@@ -143,3 +143,47 @@ def bench_moe_model(work: Path) -> Path:
     if not moes:
         sys.exit(f"error: no MoE in {work}; run benchmarks/bench_moe.py first")
     return moes[-1]
+
+
+def check_consumers(checkpoint: Path, ids, source, auto=None) -> dict:
+    """A quantised checkpoint loaded by transformers (the consumer; `auto` its model class) and by quantkit's
+    runtime, on `ids`, against the unquantised model's logits `source`: the relative change the consumer shows
+    (vs_source), and the runtime's largest difference from the consumer relative to the largest logit (or, where
+    transformers cannot load it, the runtime's change against the unquantised model). A failure is one line."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.runtime.model import load_model
+
+    def first_line(exc: BaseException) -> str:
+        return f"{type(exc).__name__}: " + (str(exc).splitlines() or [""])[0][:120]
+
+    row: dict = {}
+    consumer = None
+    try:
+        with torch.no_grad():
+            consumer = (auto or AutoModelForCausalLM).from_pretrained(checkpoint, dtype=torch.float32)(
+                input_ids=ids).logits
+        row["vs_source"] = round(float((consumer - source).norm() / source.norm()), 4)
+    except Exception as exc:
+        row["transformers"] = first_line(exc)
+    try:
+        with torch.no_grad():
+            runtime = load_model(checkpoint, dtype=torch.float32)(ids).logits.float()
+        if consumer is not None:
+            row["runtime_vs_transformers"] = float((runtime - consumer).abs().max() / consumer.abs().max())
+        else:
+            row["runtime_vs_source"] = round(float((runtime - source).norm() / source.norm()), 4)
+    except Exception as exc:
+        row["runtime"] = first_line(exc)
+    return row
+
+
+def consumer_cells(row: dict) -> str:
+    """The markdown cells of check_consumers' figures: vs unquantised | runtime vs transformers | note."""
+    rt = row.get("runtime_vs_transformers")
+    note = row.get("why") or row.get("transformers") or row.get("runtime") or ""
+    if "runtime_vs_source" in row:
+        note += f" (runtime vs unquantised {row['runtime_vs_source']})"
+    return f"{row.get('vs_source', '-')} | {'-' if rt is None else f'{rt:.1e}'} | {note.replace('|', '/')}"
+
