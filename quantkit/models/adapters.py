@@ -245,31 +245,31 @@ def adapter_for_model(config, model, names=None, renamed: dict[str, str] | None 
     A sparse-MoE model is inferred too where its experts are transformers' standard fused experts, stored one
     linear per expert on disk (`names`, the checkpoint's tensor names): its own router then routes, in the
     pipeline and in the runtime alike; anything else is refused in one line."""
+    from torch import nn
+
     model_type = getattr(config, "model_type", "?")
     if model_type in _BY_TYPE:
         return _BY_TYPE[model_type]
     layers_path = find_layers_path(config, model)
     layers = model.get_submodule(layers_path)
-    # Routed experts: a module named `experts`, stacked expert weights (3-D), or an expert count in the config.
+    # Routed experts: a module named `experts`, stacked expert weights (3-D; a Mamba mixer's conv is not), or an
+    # expert count in the config. Every layer is read: hybrid models mix MoE, dense, attention and Mamba layers.
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     counts = [getattr(text, k, 0) or 0 for k in EXPERT_COUNT_KEYS]
-    from torch import nn
-
-    found, seen = [], set()
-    for layer in layers:  # every layer: hybrid models mix MoE, dense, attention and Mamba layers
+    found: dict[str, nn.Module] = {}
+    for layer in layers:
         for name, m in layer.named_modules():
-            if name not in seen and (name.rpartition(".")[2] == "experts" or not isinstance(m, nn.modules.conv._ConvNd)
-                                     and any(p.dim() == 3 for p in m.parameters(recurse=False))):  # not mamba's conv
-                seen.add(name)
-                found.append((name, m))
+            stacked = not isinstance(m, nn.modules.conv._ConvNd) and any(p.dim() == 3 for p in m.parameters(False))
+            if name.rpartition(".")[2] == "experts" or stacked:
+                found.setdefault(name, m)
     moe = bool(found) or any(isinstance(c, int) and c > 1 for c in counts)
     stored = _stored_local_names(layers_path, names or (), renamed or {})
     renames = _infer_renames(stored)
     if not moe:
         return Adapter(model_type, (model_type,), layers_path=layers_path, renames=renames, notes=GENERIC)
     described = ", ".join(described_moe_types())
-    what = f" ({type(found[0][1]).__name__} in its layers)" if found else ""
-    fused = [(name, m) for name, m in found if is_standard_experts(m)]
+    what = f" ({type(next(iter(found.values()))).__name__} in its layers)" if found else ""
+    fused = [(name, m) for name, m in found.items() if is_standard_experts(m)]
     if not fused:
         raise InputError(f"unsupported MoE architecture {model_type!r}{what}: its experts are not transformers' "
                          f"standard gate/up/down experts (biases, transposed or interleaved weights, or a gate of "
