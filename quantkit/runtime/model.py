@@ -109,14 +109,18 @@ def _generic_adapter(model_type: str, model: nn.Module | None = None, names=None
                      renamed: dict[str, str] | None = None) -> Adapter:
     """The registered adapter, or for a model transformers knows without one, its layout read off `model` and the
     checkpoint's tensor `names` (quantkit.models.adapters.adapter_for_model; model.layers when no model is
-    given). Without names (callers that only want the layers), a sparse-MoE model gets the dense layout."""
+    given). Without names (callers that only want the layers), or for a sparse-MoE model the pipeline refuses
+    (GPT-OSS's own experts), the layers are run as transformers builds them, experts fused as stored."""
     try:
         return adapter_for(model_type)
     except InputError:
         if model is None:
             return Adapter(model_type, (model_type,), layers_path="model.layers")
         if names is not None:
-            return adapter_for_model(model.config, model, names, renamed)
+            try:
+                return adapter_for_model(model.config, model, names, renamed)
+            except InputError:
+                pass
         return Adapter(model_type, (model_type,), layers_path=find_layers_path(model.config, model))
 
 

@@ -238,3 +238,14 @@ def test_moe_analysis_of_a_family_without_described_routing_is_refused_in_one_li
     err = result.stderr.strip()
     assert result.exit_code == 2, result.output
     assert "'olmoe' MoE, whose routing is not described here" in err and len(err.splitlines()) == 1, err
+
+
+def test_the_runtime_still_runs_an_unquantised_moe_the_pipeline_refuses(tmp_path):
+    """GPT-OSS's experts (biases, a clamped gate of their own) cannot be unfused, but an unquantised checkpoint (an
+    eval baseline) runs in the runtime through transformers' own blocks, experts fused as stored."""
+    src = make_tiny_model(tmp_path / "gpt_oss", "gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
+        got = load_model(src, dtype=torch.float32)(ids).logits.float()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
