@@ -205,9 +205,6 @@ def described_moe_types() -> list[str]:
     return [t for t in supported_model_types() if _BY_TYPE[t].router is not None]
 
 
-# Config names of the routed-expert count across families (`moe.py` reads the ones described families use).
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
 
 def adapter_for(model_type: str) -> Adapter:
     adapter = _BY_TYPE.get(model_type)
@@ -252,23 +249,22 @@ def adapter_for_model(config, model, names=None, renamed: dict[str, str] | None 
         return _BY_TYPE[model_type]
     layers_path = find_layers_path(config, model)
     layers = model.get_submodule(layers_path)
-    # Routed experts: a module named `experts`, stacked expert weights (3-D; a Mamba mixer's conv is not), or an
-    # expert count in the config. Every layer is read: hybrid models mix MoE, dense, attention and Mamba layers.
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    counts = [getattr(text, k, 0) or 0 for k in EXPERT_COUNT_KEYS]
+    # Routed experts: a module named `experts` or stacked expert weights (3-D; a Mamba mixer's conv is not), in any
+    # layer (hybrid models mix MoE, dense, attention and Mamba layers). Not an expert count in the config: Doge's
+    # has one while its layers are dense, and a tiny Flint's layers may all be dense.
     found: dict[str, nn.Module] = {}
     for layer in layers:
         for name, m in layer.named_modules():
             stacked = not isinstance(m, nn.modules.conv._ConvNd) and any(p.dim() == 3 for p in m.parameters(False))
             if name.rpartition(".")[2] == "experts" or stacked:
                 found.setdefault(name, m)
-    moe = bool(found) or any(isinstance(c, int) and c > 1 for c in counts)
+    moe = bool(found)
     stored = _stored_local_names(layers_path, names or (), renamed or {})
     renames = _infer_renames(stored)
     if not moe:
         return Adapter(model_type, (model_type,), layers_path=layers_path, renames=renames, notes=GENERIC)
     described = ", ".join(described_moe_types())
-    what = f" ({type(next(iter(found.values()))).__name__} in its layers)" if found else ""
+    what = f" ({type(next(iter(found.values()))).__name__} in its layers)"
     fused = [(name, m) for name, m in found.items() if is_standard_experts(m)]
     if not fused:
         raise InputError(f"unsupported MoE architecture {model_type!r}{what}: its experts are not transformers' "

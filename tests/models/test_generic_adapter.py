@@ -21,9 +21,10 @@ from tests.conftest import make_tiny_model
 # head stored as embed_out (gpt_neox), layers under model.decoder.layers with learned positions and projections
 # around them (opt), Gemma 2's logit softcapping, which SDPA cannot run, a LayerNorm on the embeddings (bloom),
 # layers stored under another list name with every tensor renamed (EXAONE 3's transformer.h.N.ln_1 for
-# model.layers.N.input_layernorm), Mamba mixers beside attention, whose 3-D conv weights are no experts (falcon_h1).
+# model.layers.N.input_layernorm), Mamba mixers beside attention, whose 3-D conv weights are no experts (falcon_h1),
+# an expert count in a dense model's config (doge: num_experts 16384, is_moe false).
 FAMILIES = {"phi3": {"pad_token_id": 0}, "olmo2": {}, "cohere": {}, "gpt_neox": {}, "opt": {},
-            "gemma2": {"head_dim": 16}, "bloom": {}, "exaone": {}, "falcon_h1": {"head_dim": 16}}
+            "gemma2": {"head_dim": 16}, "bloom": {}, "exaone": {}, "falcon_h1": {"head_dim": 16}, "doge": {}}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def _quantize(*args):
 # bloom under bf16 autocast: its embedding LayerNorm runs in fp32 there, on the fp32 embedding's output, which it
 # can only do with weights of the embedding's dtype.
 @pytest.mark.parametrize("family,compute", [("gpt_neox", "auto"), ("opt", "auto"), ("phi3", "auto"),
-                                            ("bloom", "bfloat16"), ("exaone", "auto"), ("falcon_h1", "auto")])
+                                            ("bloom", "bfloat16"), ("exaone", "auto"), ("falcon_h1", "auto"),
+                                            ("doge", "auto")])
 def test_a_gptq_checkpoint_runs_in_the_runtime_as_in_transformers(generic_models, family, compute, text_file,
                                                                   tmp_path):
     out = tmp_path / "q"

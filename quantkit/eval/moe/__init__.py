@@ -96,15 +96,15 @@ def moe_spec_of(path) -> "object | None":
 
 
 def check_moe_checkpoints(paths) -> None:
-    from quantkit.models.adapters import EXPERT_COUNT_KEYS, described_moe_types
+    from quantkit.models.adapters import described_moe_types
+    from quantkit.models.safetensors_index import SafetensorsIndex
     from quantkit.runtime.model import read_config
 
     for p in paths:
         if moe_spec_of(p) is not None:
             continue
         cfg = read_config(p)
-        text = cfg.get("text_config") or cfg
-        if any(isinstance(text.get(k), int) and text[k] > 1 for k in EXPERT_COUNT_KEYS):
+        if any(".experts." in name for name in SafetensorsIndex(p).names()):  # experts stored, the routing unknown
             described = ", ".join(described_moe_types())
             raise InputError(f"--moe: {p} is a {cfg.get('model_type')!r} MoE, whose routing is not described here "
                              f"(its own router runs it in eval and quantize); --moe's routing analysis needs one of "
