@@ -47,13 +47,13 @@ def output_logits(handle: ModelHandle, dtype: torch.dtype = torch.float32, devic
     for name in owners:
         handle.materialize_module(name, dtype, device)
 
-    # Most models take a decoder layer's output as it is; some (BLOOM) read it as outputs[0]. The first call
-    # finds out: a tensor read as outputs[0] loses its batch dimension, which fails or shows in the logits' shape.
-    as_tuple = [False]
+    # Most models take a decoder layer's output as it is; some (BLOOM) read it as outputs[0]. The first call finds
+    # out on two tokens: a tensor read as outputs[0] loses its batch dimension, which fails or shows in the shape.
+    as_tuple: list[bool] = []
 
     def run(hidden: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(originals):
-            layers[i] = _Inject(hidden if i == 0 else None, getattr(layer, "attention_type", None), as_tuple[0])
+            layers[i] = _Inject(hidden if i == 0 else None, getattr(layer, "attention_type", None), as_tuple[-1])
         ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
         try:
             return handle.skeleton(input_ids=ids, use_cache=False).logits.float()
@@ -62,14 +62,14 @@ def output_logits(handle: ModelHandle, dtype: torch.dtype = torch.float32, devic
                 layers[i] = layer
 
     def logits(hidden: torch.Tensor) -> torch.Tensor:
-        if not as_tuple[0]:
+        if not as_tuple:
+            as_tuple.append(False)
+            probe = hidden[:1, :2]
             try:
-                out = run(hidden)
-                if out.shape[:2] == hidden.shape[:2]:
-                    return out
+                plain = run(probe).shape[:2] == probe.shape[:2]
             except (IndexError, RuntimeError, ValueError):
-                pass
-            as_tuple[0] = True
+                plain = False
+            as_tuple[0] = not plain
         return run(hidden)
 
     try:
