@@ -1,7 +1,8 @@
 """A MoE family whose routing quantkit does not describe, on real weights: the MoEfied SmolLM2 of bench_moe.py
 rewritten in GLM-4.5's layout (`glm4_moe`: sigmoid router scores with a selection bias, shared experts without a
 gate), then quantised with RTN and GPTQ W4A16 through the layout quantkit infers from transformers' model and the
-checkpoint's names, and scored by `quantkit eval` against the unquantised glm4_moe model. transformers loads each
+checkpoint's names, and scored by `quantkit eval --moe` against the unquantised glm4_moe model (the routing studies
+replay the rule the runtime finds on the loaded router). transformers loads each
 checkpoint as the consumer; its KL on the same held-out tokens is set beside quantkit's runtime's.
 
     python benchmarks/bench_generic_moe.py [--quant-samples 16 --seq-len 256 --eval-samples 4]
@@ -111,8 +112,12 @@ def main() -> None:
         out = args.work / f"generic-glm4_moe-{name}"
         quant[name] = quantize(glm, out, method, "W4A16", "all", args.quant_samples, args.seq_len)
         print(f"quantised {name}: {quant[name]}", flush=True)
+    # --moe: the routing studies replay the rule the runtime finds on glm4_moe's loaded router.
+    from quantkit.eval.moe import MoEEvalOptions
+
+    moe_opts = MoEEvalOptions(samples=min(2, args.eval_samples), offload_runs=(("lru", ""), ("lru", "overlap")))
     run = run_eval(EvalOptions(checkpoints=[args.work / f"generic-glm4_moe-{n}" for n in quant], baseline=str(glm),
-                               num_samples=args.eval_samples, seq_len=args.seq_len))
+                               num_samples=args.eval_samples, seq_len=args.seq_len, moe=True, moe_options=moe_opts))
     against_qwen = run_eval(EvalOptions(checkpoints=[glm], baseline=str(qwen), num_samples=args.eval_samples,
                                         seq_len=args.seq_len))
     from transformers import AutoTokenizer
@@ -145,6 +150,24 @@ def render(p: dict, args) -> str:
         r, c = p["eval"][n], p["consumer_kl"][n]
         lines.append(f"| {n} | {q['seconds']} | {q['routing_profile']} | {r['kl_mean']:.4f} | "
                      f"{r['top1_agree']:.4f} | {c['kl_transformers']} / {c['kl_runtime']} |")
+    lines += ["", "`quantkit eval --moe` on the same run (the rule the runtime found on the loaded glm4_moe router: "
+                  "sigmoid scores ranked with the selection bias, normalised, shared experts); routing studies on the "
+                  "first 2 eval blocks, offload at E/2 experts per layer resident, 32 greedy tokens after a 32-token "
+                  "prompt, median of 3 decodes:", "",
+              "| checkpoint | routing top-k overlap vs unquantised | max/mean load | capacity 1.25 drop: KL change, "
+              "load cut | bias balancing: max/mean load, KL | offload LRU hit rate, tok/s | LRU + prefetch hit rate, "
+              "tok/s | offload exact |", "|---|---|---|---|---|---|---|---|"]
+    for n in p["quantize"]:
+        m = p["eval"][n]["moe"]
+        cap = next(c for c in m["capacity"] if c["gamma"] == 1.25 and c["policy"] == "drop")
+        bias = m["bias_balancing"]
+        runs = {r["policy"]: r for r in m["offload"]}
+        lru, pre = runs["lru"], runs["lru+prefetch"]
+        lines.append(f"| {n} | {m['routing_topk_overlap']} | {m['max_over_mean_load']} | {cap['kl_change']:+.4f}, "
+                     f"{cap['max_load_reduction']:.1%} | {bias['max_over_mean_load']['without']} -> "
+                     f"{bias['max_over_mean_load']['with']}, {bias['kl']['without']} -> {bias['kl']['with']} | "
+                     f"{lru['hit_rate']}, {lru['decode_tok_s']} | {pre['hit_rate']}, {pre['decode_tok_s']} | "
+                     f"{all(r['exact'] for r in m['offload'])} |")
     q = p["glm4_moe_vs_qwen2_moe"]
     lines += ["", f"The glm4_moe model against the qwen2_moe one it was rewritten from: KL {q['kl_mean']:.4f}, "
                   f"top-1 agreement {q['top1_agree']:.4f} (sigmoid scores instead of softmax, no "

@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--fit-steps", type=int, default=400)
     ap.add_argument("--fit-dataset", default="kjv:0.5,self:0.5")
     ap.add_argument("--trees", default="chain:4,dynamic:8:5",
-                    help="with --fitted: TREE:K list (dynamic:NODES:DEPTH)")
+                    help="with --fitted: TREE:K list (dynamic:NODES:DEPTH, opt:NODES:DEPTH)")
     ap.add_argument("--plot-from", type=Path, default=None,
                     help="only draw the plot of an earlier run's results JSON (benchmarks/results/NAME.json)")
     args = ap.parse_args()
@@ -154,7 +154,8 @@ def main() -> None:
         trees = []
         for item in args.trees.split(","):
             parts = item.split(":")
-            trees.append((":".join(parts[:2]), int(parts[2])) if parts[0] == "dynamic" else (parts[0], int(parts[1])))
+            trees.append((":".join(parts[:2]), int(parts[2])) if parts[0] in ("dynamic", "opt")
+                         else (parts[0], int(parts[1])))
         plan = [("W4A16 GPTQ", d, tree, k, T) for d in fits for tree, k in trees for T in temps
                 if not (T > 0 and d == "EAGLE fit to bf16")]
         # Lossless in exact arithmetic; measured in fp32, where verify and plain decoding round alike

@@ -229,7 +229,7 @@ def run_eval(opts: EvalOptions) -> EvalRun:
         moe_opts = opts.moe_options or MoEEvalOptions()
         for ckpt in checkpoints:
             mspec = moe_spec_of(ckpt)
-            moe_opts.check(mspec.num_experts, mspec.top_k)
+            moe_opts.check(*((mspec.num_experts, mspec.top_k) if mspec else ()))
     base_src, base_path, base_tok = resolve_baseline(opts.baseline, checkpoints)
     prompts = None
     if spec.enabled or spec.save_outputs:
@@ -283,9 +283,10 @@ def run_eval(opts: EvalOptions) -> EvalRun:
             parts: dict[str, list] = {k: [] for k in TOKEN_FIELDS}
             recorder = None
             if moe_opts is not None:
-                from quantkit.eval.moe import RoutingRecorder
+                from quantkit.eval.moe import RoutingRecorder, check_moe_blocks
                 from quantkit.runtime.moe import moe_blocks
 
+                check_moe_blocks(rt, moe_opts)
                 recorder = RoutingRecorder(moe_blocks(rt.model)[0].spec.num_experts)
                 handles = [b.add_router_observer(recorder) for b in moe_blocks(rt.model)]
             for s, batch in _batches(ids, opts.batch_size):

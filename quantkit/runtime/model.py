@@ -33,7 +33,7 @@ from quantkit.runtime.cuda.ops import install as install_cuda_ops
 from quantkit.runtime.cuda.ops import launcher_for
 from quantkit.runtime.formats import INPUT_TENSORS, WEIGHT_TENSORS, QuantConfig, parse_quantization_config
 from quantkit.runtime.linear import DenseLinear, QuantLinear, dense_parameter
-from quantkit.runtime.moe import install_runtime_moe
+from quantkit.runtime.moe import install_inferred_moe, install_runtime_moe
 from quantkit.runtime.validate import check_linear_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -266,6 +266,8 @@ def load_model(path: Path | str, dtype: torch.dtype | str | None = None, device:
     kv = _install_kv_cache(model, handle, quant, device, str(path)) if quant and quant.kv_cache and kv_cache else None
     choices: list = []
     kernel_counts = dispatch.prepare_model(model, mode, choices)
+    if runtime_moe and adapter.router is None:
+        install_inferred_moe(handle.layers(), config)  # its probe runs the loaded router and shared experts
     launcher = launcher_for(device, mode)
     if launcher is not None:  # MoE grouped GEMMs, absorbed MLA decode, tree masks (reported with the linears)
         kernel_counts.update(install_cuda_ops(model, launcher, device, dtype))

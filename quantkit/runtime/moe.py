@@ -18,6 +18,8 @@ Hooks (per block, or over a whole model with the context managers):
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -140,23 +142,28 @@ class RuntimeMoE(nn.Module):
         self._overrides[handle.id] = fn
         return handle
 
+    def router_module(self) -> nn.Module:
+        return self.get_submodule(self.spec.router)
+
+    def selection_bias(self) -> torch.Tensor | None:
+        """The router's selection bias as [E] (ERNIE stores it [1, E]), or None."""
+        if not self.spec.selection_bias:
+            return None
+        return _tensor_at(self.router_module(), self.spec.selection_bias).reshape(-1)
+
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        weight = getattr(self, self.spec.router).weight
+        weight = self.router_module().weight
         if self.spec.fp32_logits:
             return F.linear(x.float(), weight.float())
         return F.linear(x, weight)
 
     def route(self, x: torch.Tensor) -> Routing:
         """The block's own routing of tokens x [T, H] (no overrides)."""
-        router = getattr(self, self.spec.router)
-        bias = getattr(router, self.spec.selection_bias) if self.spec.selection_bias else None
-        return route(self.spec, self.router_logits(x), bias, weights_dtype=x.dtype)
+        return route(self.spec, self.router_logits(x), self.selection_bias(), weights_dtype=x.dtype)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """The experts the block's own routing selects for tokens x [T, H] (no overrides, no combine weights)."""
-        router = getattr(self, self.spec.router)
-        bias = getattr(router, self.spec.selection_bias) if self.spec.selection_bias else None
-        return select_experts(self.spec, self.router_logits(x), bias)
+        return select_experts(self.spec, self.router_logits(x), self.selection_bias())
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -210,10 +217,18 @@ class RuntimeMoE(nn.Module):
         return out
 
 
+def _tensor_at(module: nn.Module, dotted: str) -> torch.Tensor:
+    owner, _, leaf = dotted.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, leaf)
+
+
 def _is_sparse_block(block: nn.Module, spec: RouterSpec) -> bool:
     """A sparse-MoE block has the router and the unfused experts; dense layers (DeepSeek's first_k_dense_replace,
     Qwen's mlp_only_layers / decoder_sparse_step) have a plain MLP there and are left alone."""
-    router = getattr(block, spec.router, None)
+    try:
+        router = block.get_submodule(spec.router)
+    except AttributeError:
+        return False
     weight = getattr(router, "weight", None)
     experts = getattr(block, spec.experts, None)
     return isinstance(experts, UnfusedExperts) and weight is not None and weight.shape[0] == spec.num_experts
@@ -222,8 +237,11 @@ def _is_sparse_block(block: nn.Module, spec: RouterSpec) -> bool:
 def _check_block(block: nn.Module, spec: RouterSpec, where: str) -> None:
     """Fail loudly where the block lacks what the spec names: a silent fallback would hide routing from observers."""
     missing = [n for n in (spec.shared_experts, spec.shared_expert_gate) if n and not hasattr(block, n)]
-    if spec.selection_bias and not hasattr(getattr(block, spec.router), spec.selection_bias):
-        missing.append(f"{spec.router}.{spec.selection_bias}")
+    if spec.selection_bias:
+        try:
+            _tensor_at(block.get_submodule(spec.router), spec.selection_bias)
+        except AttributeError:
+            missing.append(f"{spec.router}.{spec.selection_bias}")
     if missing:
         raise InputError(f"{where}: the MoE block has no {', '.join(missing)}, which its router layout names")
     if list(block.named_parameters(recurse=False)) or list(block.named_buffers(recurse=False)):
@@ -311,3 +329,148 @@ def random_routing(k: int, seed: int = 0) -> SelectionOverride:
         return with_selection(routing, selected, hidden)
 
     return override
+
+
+# Routing inference for MoE families without a described router (quantkit.models.adapters.adapter_for_model keeps
+# their own blocks): each candidate rule is tried against what the family's block hands its experts.
+_PROBE_TOKENS = 64
+
+
+def _routers(block: nn.Module, experts: str, num_experts: int) -> list[str]:
+    """Modules of `block` (outside the experts) holding a weight [E, H] of their own: the router candidates."""
+    found = []
+    for name, mod in block.named_modules():
+        if not name or name == experts or name.startswith(experts + "."):
+            continue
+        w = mod._parameters.get("weight")
+        if w is not None and w.dim() == 2 and w.shape[0] == num_experts:
+            found.append(name)
+    return found
+
+
+def _bias_candidates(router: nn.Module, num_experts: int) -> list[str]:
+    return [n for n, t in [*router.named_parameters(), *router.named_buffers()]
+            if n != "weight" and t.is_floating_point() and t.numel() == num_experts]
+
+
+def _candidate_specs(config, base: RouterSpec, biases: list[str]) -> Iterator[RouterSpec]:
+    """Every rule RouterSpec describes for `base`'s experts, router and top-k: the config's scaling and expert groups
+    or none, each selection-bias candidate or none."""
+    scaling = float(getattr(config, "routed_scaling_factor", None) or 1.0)
+    n_group = int(getattr(config, "n_group", None) or 1)
+    topk_group = int(getattr(config, "topk_group", None) or 1)
+    groups = [(n_group, topk_group), (1, 1)] if 1 < n_group and topk_group < n_group else [(1, 1)]
+    for scoring, before in (("softmax", True), ("softmax", False), ("sigmoid", True)):
+        plain = not before  # top-k of the logits, softmax over the k: no bias, groups or renormalisation
+        for bias, normalize, factor, (ng, tg), fp32 in itertools.product(
+                [None] if plain else [*biases, None], [False] if plain else [True, False],
+                dict.fromkeys((scaling, 1.0)), [(1, 1)] if plain else groups, [True, False]):
+            try:
+                yield dataclasses.replace(base, scoring=scoring, softmax_before_topk=before, normalize_topk=normalize,
+                                          n_group=ng, topk_group=tg, selection_bias=bias,
+                                          routed_scaling_factor=factor, fp32_logits=fp32)
+            except InputError:
+                continue
+
+
+def _routing_error(spec: RouterSpec, logits: torch.Tensor, bias, seen_idx: torch.Tensor,
+                   seen_w: torch.Tensor) -> float:
+    """How far `spec`'s combine weights are from those seen, relative to their largest (inf: other experts)."""
+    r = route(spec, logits, None if bias is None else bias.reshape(-1), weights_dtype=seen_w.dtype)
+    ours, order = r.selected.sort(dim=-1)
+    theirs, their_order = seen_idx.sort(dim=-1)
+    if not torch.equal(ours, theirs):
+        return math.inf
+    a, b = r.weights.gather(1, order).float(), seen_w.gather(1, their_order).float()
+    return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-6)
+
+
+@torch.no_grad()
+def infer_router_spec(block: nn.Module, config, seed: int = 0) -> RouterSpec | None:
+    """The routing rule of a family's own sparse-MoE block (its children: UnfusedExperts, a router with a weight
+    [E, H], optional shared experts and their sigmoid gate), found by trying every rule RouterSpec describes on
+    random tokens against what the block hands its experts (selected experts and combine weights) and against what
+    it adds besides (shared experts). A selection bias the router holds is filled with random values for the probe,
+    so a zero bias still tells whether the family ranks with it. None where no rule reproduces the block, or it
+    holds tensors of its own: the block then stays as transformers built it."""
+    experts = [n for n, c in block.named_children() if isinstance(c, UnfusedExperts)]
+    if len(experts) != 1 or list(block.named_parameters(recurse=False)) or list(block.named_buffers(recurse=False)):
+        return None
+    experts_mod = getattr(block, experts[0])
+    num_experts = len(experts_mod.experts)
+    routers = _routers(block, experts[0], num_experts)
+    if len(routers) != 1:
+        return None
+    router = block.get_submodule(routers[0])
+    weight = router.weight
+    if weight.device.type == "meta":
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(_PROBE_TOKENS, weight.shape[1], generator=gen)
+    x = (x * (2.0 / float(F.linear(x, weight.float()).std().clamp_min(1e-6)))).to(weight.dtype)  # logits ~ std 2
+    biases = _bias_candidates(router, num_experts)
+    saved = {n: _tensor_at(router, n).detach().clone() for n in biases}
+    # Random selection biases of the scores' own scale: they change the ranking only where the family ranks with them.
+    probe_bias = {n: (torch.rand(t.shape, generator=gen) * 0.3).to(t.dtype) for n, t in saved.items()}
+    seen: list = []
+
+    def capture(hidden_states, top_k_index, top_k_weights):
+        k = top_k_index.shape[-1]
+        seen.append((top_k_index.reshape(-1, k), top_k_weights.reshape(-1, k)))
+        return torch.zeros_like(hidden_states)
+
+    try:
+        for n, t in probe_bias.items():
+            _tensor_at(router, n).copy_(t)
+        experts_mod.forward = capture
+        out = block(x[None])
+    except Exception:  # noqa: BLE001 - a block this probe cannot drive keeps its own forward
+        return None
+    finally:
+        experts_mod.__dict__.pop("forward", None)
+        for n, t in saved.items():
+            _tensor_at(router, n).copy_(t)
+    if len(seen) != 1 or seen[0][0].shape[0] != x.shape[0]:
+        return None
+    out = (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
+    idx, w = seen[0]
+    tol = 1e-4 if w.dtype == torch.float32 else 2e-2
+    base = RouterSpec(num_experts, idx.shape[1], weights_in_model_dtype=w.dtype != torch.float32, router=routers[0],
+                      experts=experts[0])
+    # In bf16 several rules may agree within rounding (router logits in fp32 or not): the closest one is kept.
+    best, found = math.inf, None
+    for spec in _candidate_specs(config, base, biases):
+        logits = F.linear(x.float(), weight.float()) if spec.fp32_logits else F.linear(x, weight)
+        err = _routing_error(spec, logits, probe_bias.get(spec.selection_bias), idx, w)
+        if err < best:
+            best, found = err, spec
+    if found is None or best > tol:
+        return None
+    # Whatever else the block adds: nothing, its shared experts, or those scaled by sigmoid of a [1, H] gate.
+    others = [(n, c) for n, c in block.named_children() if n not in (experts[0], routers[0].split(".")[0])]
+    gates = [n for n, c in others if isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.shape[0] == 1]
+    shared = [n for n, c in others if n not in gates]
+    scale = max(float(out.float().abs().max()), 1e-6)
+    candidates = [(None, None)] + [(s, None) for s in shared] + [(s, g) for s in shared for g in gates]
+    for s, g in candidates:
+        expect = torch.zeros_like(out) if s is None else getattr(block, s)(x)
+        if g is not None:
+            expect = torch.sigmoid(getattr(block, g)(x)) * expect
+        if float((expect.float() - out.float()).abs().max()) <= tol * scale + 1e-6:
+            return dataclasses.replace(found, shared_experts=s, shared_expert_gate=g)
+    return None
+
+
+def install_inferred_moe(layers: nn.ModuleList, config) -> int:
+    """Replace every sparse-MoE block of a family without a described router by a RuntimeMoE whose rule
+    `infer_router_spec` found on that very block (after its weights are loaded); returns how many."""
+    replaced = 0
+    for i, layer in enumerate(layers):
+        for name, block in list(layer.named_modules()):
+            if isinstance(block, RuntimeMoE) or not any(isinstance(c, UnfusedExperts) for c in block.children()):
+                continue
+            spec = infer_router_spec(block, config, seed=i)
+            if spec is not None:
+                _set(layer, name, RuntimeMoE(block, spec, i))
+                replaced += 1
+    return replaced

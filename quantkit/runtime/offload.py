@@ -599,7 +599,7 @@ def folded_router(block, norm: nn.Module) -> torch.Tensor | None:
         r = row[mask]
         if r.numel() == 0 or not bool((r > 0).all()) or float(r.max() / r.min()) > 1.05:
             return None
-    return getattr(block, spec.router).weight.float() * weight.float()
+    return block.router_module().weight.float() * weight.float()
 
 
 def _disk_prefix(adapter, module_name: str, expert: int) -> str:

@@ -14,6 +14,7 @@ from quantkit.models.loader import open_model
 from quantkit.models.source import resolve_model
 from quantkit.pipeline.reference import layerwise_logits
 from quantkit.runtime.model import load_model
+from quantkit.runtime.moe import moe_blocks
 from tests.conftest import make_tiny_model
 
 # Each one differs from Llama somewhere the pipeline reads: fused q/k/v and gate/up (phi3), norms after the
@@ -145,6 +146,22 @@ MOE = {
 }
 
 
+# The routing rule each family's transformers block implements (scoring, the selection bias it ranks with, its
+# shared experts), read from transformers' modelling code; the runtime finds it on the loaded router. Phi-MoE's
+# sparse mixer (a masked second softmax) is no rule RouterSpec describes: transformers' block keeps routing it.
+RULES = {
+    "olmoe": ("softmax", None, None),
+    "glm4_moe": ("sigmoid", "e_score_correction_bias", "shared_experts"),
+    "hunyuan_v1_moe": ("softmax", None, "shared_mlp"),
+    "exaone_moe": ("sigmoid", "e_score_correction_bias", "shared_experts"),
+    "ernie4_5_moe": ("softmax", "moe_statics.e_score_correction_bias", "shared_experts"),
+    "phimoe": None,
+    "laguna": ("sigmoid", "e_score_correction_bias", "shared_experts"),
+    "mimo_v2_flash": ("sigmoid", "e_score_correction_bias", None),
+    "deepseek_v2": ("softmax", None, "shared_experts"),
+}
+
+
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("generic-moe")
@@ -166,8 +183,8 @@ def _stored_experts(folder) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("family", list(MOE))
-def test_a_moe_family_without_described_routing_is_quantised_and_served_by_its_own_router(moe_models, family,
-                                                                                            text_file, tmp_path):
+def test_a_moe_family_without_described_routing_is_quantised_and_served_by_the_rule_found_on_its_router(
+        moe_models, family, text_file, tmp_path):
     from tests.pipeline.test_engine import _reference_with_dequantised, _tensors
 
     src, out = moe_models[family], tmp_path / "q"
@@ -203,7 +220,11 @@ def test_a_moe_family_without_described_routing_is_quantised_and_served_by_its_o
     assert replaced == sum(n.endswith(".weight_packed") for n in written)
     with torch.no_grad():
         consumer, expected = consumer_model(ids).logits, oracle(ids).logits
-        runtime = load_model(out, dtype=torch.float32)(ids).logits.float()
+        rt = load_model(out, dtype=torch.float32)
+        runtime = rt(ids).logits.float()
+    blocks = moe_blocks(rt.model)
+    assert [(b.spec.scoring, b.spec.selection_bias, b.spec.shared_experts) for b in blocks[:1]] == \
+        ([RULES[family]] if RULES[family] else [])
     torch.testing.assert_close(consumer, expected, rtol=0, atol=1e-5)
     torch.testing.assert_close(runtime, consumer, rtol=1e-4, atol=1e-4 * float(consumer.abs().max()))
     assert 0.01 < float((consumer - source).norm() / source.norm()) < 0.5
@@ -231,15 +252,25 @@ def test_what_the_generic_layout_cannot_do_is_refused_in_one_line(generic_models
         assert not (tmp_path / "out").exists()
 
 
-def test_moe_analysis_of_a_family_without_described_routing_is_refused_in_one_line(moe_models):
-    """`eval --moe` replays and alters the routing rule (capacity, bias balancing, offloading): a family whose own
-    router routes has none here to replay."""
-    src = moe_models["olmoe"]
+def test_moe_analysis_runs_on_the_rule_found_on_the_router_and_refuses_a_block_without_one(moe_models):
+    """`eval --moe` replays and alters the routing rule (capacity, bias balancing, offloading): a family without a
+    described router gets the rule the runtime found on its loaded router; one whose block matches none is refused
+    in one line."""
+    src = moe_models["glm4_moe"]
+    result = CliRunner().invoke(app, ["eval", str(src), "--baseline", str(src), "--moe", "--num-samples", "2",
+                                      "--seq-len", "16", "--offload-cache", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    moe = json.loads(result.stdout)["results"][0]["moe"]
+    # The model against itself: the same experts for every token; offloaded decoding as resident.
+    assert (moe["num_experts"], moe["top_k"], moe["routing_topk_overlap"]) == (4, 2, 1.0)
+    assert all(row["exact"] for row in moe["offload"])
+
+    src = moe_models["phimoe"]
     result = CliRunner().invoke(app, ["eval", str(src), "--baseline", str(src), "--moe", "--num-samples", "2",
                                       "--seq-len", "16"])
     err = result.stderr.strip()
     assert result.exit_code == 2, result.output
-    assert "'olmoe' MoE, whose routing is not described here" in err and len(err.splitlines()) == 1, err
+    assert "'phimoe' MoE blocks matches no rule" in err and len(err.splitlines()) == 1, err
 
 
 def test_the_runtime_still_runs_an_unquantised_moe_the_pipeline_refuses(tmp_path):

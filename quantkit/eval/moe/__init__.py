@@ -33,7 +33,7 @@ from quantkit.eval.moe.offload import greedy_decode, offload_runs
 
 __all__ = ["MoEEvalOptions", "RoutingRecorder", "routing_drift", "topk_overlap", "capacity", "apply_capacity",
            "CapacityStats", "capacity_override", "BiasState", "bias_balancing", "decision_margin", "max_over_mean",
-           "greedy_decode", "offload_runs", "analyze_moe", "moe_spec_of", "check_moe_checkpoints"]
+           "greedy_decode", "offload_runs", "analyze_moe", "moe_spec_of", "check_moe_checkpoints", "check_moe_blocks"]
 
 
 @dataclass(frozen=True)
@@ -95,22 +95,36 @@ def moe_spec_of(path) -> "object | None":
     return router_spec(_generic_adapter(getattr(config, "model_type", "?")), config)
 
 
-def check_moe_checkpoints(paths) -> None:
-    from quantkit.models.adapters import described_moe_types
+def stores_experts(path) -> bool:
+    """Whether a checkpoint folder stores per-expert tensors (a sparse MoE, described here or not)."""
     from quantkit.models.safetensors_index import SafetensorsIndex
+
+    return any(".experts." in name for name in SafetensorsIndex(path).names())
+
+
+def check_moe_checkpoints(paths) -> None:
+    """Refuse a dense checkpoint before any model work. A MoE whose routing is not described here is checked when it
+    loads (`check_moe_blocks`): the runtime finds its rule on the loaded router."""
     from quantkit.runtime.model import read_config
 
     for p in paths:
-        if moe_spec_of(p) is not None:
-            continue
-        cfg = read_config(p)
-        if any(".experts." in name for name in SafetensorsIndex(p).names()):  # experts stored, the routing unknown
-            described = ", ".join(described_moe_types())
-            raise InputError(f"--moe: {p} is a {cfg.get('model_type')!r} MoE, whose routing is not described here "
-                             f"(its own router runs it in eval and quantize); --moe's routing analysis needs one of "
-                             f"{described}")
-        raise InputError(f"--moe: {p} is a dense model (no sparse-MoE layers); --moe needs a "
-                         "Mixture-of-Experts checkpoint")
+        if moe_spec_of(p) is None and not stores_experts(p):
+            raise InputError(f"--moe: {p} is a dense model (no sparse-MoE layers); --moe needs a "
+                             "Mixture-of-Experts checkpoint")
+        read_config(p)
+
+
+def check_moe_blocks(rt, opts: MoEEvalOptions) -> None:
+    """The loaded model's MoE blocks route by a rule the runtime knows (described, or found on the router), which
+    --moe's capacity, bias and offload replays need."""
+    from quantkit.runtime.moe import moe_blocks
+
+    blocks = moe_blocks(rt.model)
+    if not blocks:
+        raise InputError(f"--moe: the routing of {rt.path}'s {getattr(rt.config, 'model_type', '?')!r} MoE blocks "
+                         "matches no rule quantkit replays (softmax or sigmoid scores, a selection bias, expert "
+                         "groups, scaling, shared experts); its own router runs it in eval and quantize")
+    opts.check(blocks[0].spec.num_experts, blocks[0].spec.top_k)
 
 
 def _kl_of(rt, ids: torch.Tensor, base_logits, batch_size: int) -> float:
@@ -145,17 +159,17 @@ def analyze_moe(rt, recorder: RoutingRecorder, token_kl: torch.Tensor, ids: torc
                  "samples": n, "kl_subset": round(kl_plain, 6)}
 
     # Drift: the baseline's own routing of the same blocks, when the baseline is an MoE with these experts.
-    base_spec = moe_spec_of(base_path)
     drift = {"routing_topk_overlap": None, "per_layer": {},
              "note": "baseline is not an MoE with the same experts"}
-    if base_spec is not None and base_spec.num_experts == spec.num_experts and base_spec.top_k == spec.top_k:
-        base = load_model(base_path, dtype, device)
+    base = load_model(base_path, dtype, device) if moe_spec_of(base_path) or stores_experts(base_path) else None
+    base_blocks = moe_blocks(base.model) if base is not None else []
+    if base_blocks and base_blocks[0].spec.num_experts == spec.num_experts and base_blocks[0].spec.top_k == spec.top_k:
         base_rec = RoutingRecorder(spec.num_experts)
         with observe_routing(base.model, base_rec), torch.inference_mode():
             for s in range(0, n, batch_size):
                 base(input_ids=sub[s:s + batch_size].to(device), use_cache=False)
-        del base
         drift = routing_drift(recorder, base_rec, tokens)
+    del base, base_blocks
     out["routing_topk_overlap"] = drift["routing_topk_overlap"]
     out["drift_per_layer"] = drift["per_layer"]
     if drift.get("note"):
