@@ -105,13 +105,10 @@ def stores_experts(path) -> bool:
 def check_moe_checkpoints(paths) -> None:
     """Refuse a dense checkpoint before any model work. A MoE whose routing is not described here is checked when it
     loads (`check_moe_blocks`): the runtime finds its rule on the loaded router."""
-    from quantkit.runtime.model import read_config
-
     for p in paths:
         if moe_spec_of(p) is None and not stores_experts(p):
             raise InputError(f"--moe: {p} is a dense model (no sparse-MoE layers); --moe needs a "
                              "Mixture-of-Experts checkpoint")
-        read_config(p)
 
 
 def check_moe_blocks(rt, opts: MoEEvalOptions) -> None:
