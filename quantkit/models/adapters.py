@@ -274,7 +274,7 @@ def adapter_for_model(config, model, names=None, renamed: dict[str, str] | None 
     module = fused[0][0]
     layout = _stored_expert_layout(module, stored, model_type)
     owner = next(layer for layer in layers if any(m is fused[0][1] for m in layer.modules()))
-    routers = _router_names(owner, module, fused[0][1].gate_up_proj.shape[0])
+    routers = router_names(owner, module, fused[0][1].gate_up_proj.shape[0])
     return Adapter(model_type, (model_type,), layers_path=layers_path, renames=renames, experts=layout,
                    never_quantize=tuple(re.escape(r) for r in routers), notes=GENERIC)
 
@@ -361,7 +361,7 @@ def _stored_expert_layout(module: str, stored: dict[str, str], model_type: str) 
                      "expert (gate_proj/up_proj/down_proj or w1/w3/w2)")
 
 
-def _router_names(layer, experts: str, num_experts: int) -> list[str]:
+def router_names(layer, experts: str, num_experts: int) -> list[str]:
     """Layer-local names of the routers beside `experts` (kept unquantised, listed in the ignore): modules of the
     MoE block outside the experts whose own weight is [num_experts, hidden] or [1, hidden] (a shared-expert gate)."""
     import torch

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from quantkit.errors import InputError
-from quantkit.models.adapters import Adapter
+from quantkit.models.adapters import Adapter, router_names
 from quantkit.models.experts import UnfusedExperts
 from quantkit.models.loader import _get, _set
 from quantkit.models.moe import RouterSpec, router_spec
@@ -336,18 +336,6 @@ def random_routing(k: int, seed: int = 0) -> SelectionOverride:
 _PROBE_TOKENS = 64
 
 
-def _routers(block: nn.Module, experts: str, num_experts: int) -> list[str]:
-    """Modules of `block` (outside the experts) holding a weight [E, H] of their own: the router candidates."""
-    found = []
-    for name, mod in block.named_modules():
-        if not name or name == experts or name.startswith(experts + "."):
-            continue
-        w = mod._parameters.get("weight")
-        if w is not None and w.dim() == 2 and w.shape[0] == num_experts:
-            found.append(name)
-    return found
-
-
 def _bias_candidates(router: nn.Module, num_experts: int) -> list[str]:
     return [n for n, t in [*router.named_parameters(), *router.named_buffers()]
             if n != "weight" and t.is_floating_point() and t.numel() == num_experts]
@@ -398,7 +386,9 @@ def infer_router_spec(block: nn.Module, config, seed: int = 0) -> RouterSpec | N
         return None
     experts_mod = getattr(block, experts[0])
     num_experts = len(experts_mod.experts)
-    routers = _routers(block, experts[0], num_experts)
+    # The block's routers (adapters.router_names), less the [1, H] shared-expert gates: the one with a weight [E, H].
+    routers = [n for n in router_names(block, experts[0], num_experts)
+               if block.get_submodule(n).weight.shape[0] == num_experts]
     if len(routers) != 1:
         return None
     router = block.get_submodule(routers[0])
